@@ -1,0 +1,362 @@
+"""Loss scales as functional pytree state, and finiteness helpers.
+
+A superset of jmp 0.0.4's ``loss_scale.py``. Every loss scale is a pytree built
+with `jax.tree_util.register_dataclass`: hyperparameters are static fields, the
+scale and its counters are array leaves, so the state survives `jax.jit`,
+`jax.tree.map`, `lax.scan` and checkpointing unchanged.
+
+References: Micikevicius et al., "Mixed Precision Training" (ICLR 2018);
+PyTorch's `torch.amp.GradScaler`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+import warnings
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T = TypeVar("T")
+
+# Smallest normal float32: the dynamic scale never goes below it (no subnormals).
+_TINY = float(np.finfo(np.float32).tiny)
+
+
+def _is_float_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+        x.dtype, jnp.floating
+    )
+
+
+def _at_least_float32(x: jax.Array) -> jax.Array:
+    # Half types widen to float32, float64 stays (works under strict promotion).
+    return x if x.dtype.itemsize >= 4 else x.astype(np.float32)
+
+
+def _scale_tree(tree: T, multiply: bool, loss_scale: jax.Array) -> T:
+    # In float32 (or wider): a half value times 2**15 would overflow, and half
+    # gradients divided back in half precision would be rounded twice.
+    def apply(x):
+        if not _is_float_array(x):
+            return x
+        x = _at_least_float32(x)
+        s = loss_scale.astype(x.dtype)
+        return x * s if multiply else x / s
+
+    return jax.tree.map(apply, tree)
+
+
+def _is_array_like(x: Any) -> bool:
+    # Unflattening passes tracers, `ShapedArray`s or `object()` sentinels through
+    # `__init__`; only real user values are converted and checked.
+    return isinstance(x, (numbers.Number, np.ndarray, np.generic, jax.Array))
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _dtype_of(x: Any) -> np.dtype:
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x)
+
+
+def _as_float32_scale(x: Any, name: str, warn_if_int: bool) -> Any:
+    """Converts a user's scale to a float32 array leaf, validating concrete values."""
+    if not _is_array_like(x):
+        return x
+    dtype = _dtype_of(x)
+    if warn_if_int and not jnp.issubdtype(dtype, jnp.floating):
+        # jmp's warning, kept for compatibility; the value is converted and works.
+        warnings.warn(f"Expected floating type for {name}, got {dtype}")
+    if dtype != np.float32:
+        x = jnp.asarray(x, jnp.float32)
+    if _is_concrete(x) and np.ndim(x) == 0:
+        value = float(x)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite number, got {value}.")
+    return x
+
+
+def _static_float(x: Any, name: str, warn_if_int: bool = False) -> float:
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(
+            f"{name} is a static hyperparameter and must be a concrete number, "
+            "not a traced value; create the loss scale outside `jax.jit`."
+        )
+    if warn_if_int and _is_array_like(x) and not jnp.issubdtype(_dtype_of(x), jnp.floating):
+        warnings.warn(f"Expected floating type for {name}, got {_dtype_of(x)}")
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {x!r}.") from None
+
+
+class LossScale:
+    """The protocol shared by `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`.
+
+    `loss_scale` is the current value, `scale(tree)` multiplies (the loss),
+    `unscale(tree)` divides (the gradients, in float32), and
+    `adjust(grads_finite)` returns the next state.
+    """
+
+    loss_scale: Any
+
+    def scale(self, tree: T) -> T:
+        raise NotImplementedError
+
+    def unscale(self, tree: T) -> T:
+        raise NotImplementedError
+
+    def adjust(self, grads_finite: jax.Array) -> LossScale:
+        raise NotImplementedError
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NoOpLossScale(LossScale):
+    """A loss scale that does nothing: for float32 and bfloat16 training.
+
+    >>> import jmp_policy as jmp
+    >>> jmp.NoOpLossScale().scale(3.0)
+    3.0
+    """
+
+    @property
+    def loss_scale(self) -> np.ndarray:
+        return np.float32(1.0)
+
+    def scale(self, tree: T) -> T:
+        return tree
+
+    def unscale(self, tree: T) -> T:
+        return tree
+
+    def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
+        _check_bool_scalar(grads_finite, "grads_finite")
+        return self
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=[], meta_fields=["loss_scale"]
+)
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale(LossScale):
+    """Scales and unscales by a fixed constant (a compile-time constant: no leaves).
+
+    Args:
+      loss_scale: the constant, kept as a float (float32 when used).
+
+    >>> import jax.numpy as jnp
+    >>> import jmp_policy as jmp
+    >>> jmp.StaticLossScale(128.0).unscale(jnp.float16(256.0))
+    Array(2., dtype=float32)
+    """
+
+    loss_scale: float
+
+    def __post_init__(self):
+        value = _static_float(self.loss_scale, "loss_scale")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(
+                f"loss_scale must be a non-negative finite number, got {value}."
+            )
+        if value == 0:
+            # jmp accepts it (its own tests build one); it zeroes every gradient.
+            warnings.warn("StaticLossScale(0) scales every gradient to zero.")
+        object.__setattr__(self, "loss_scale", value)
+
+    def scale(self, tree: T) -> T:
+        return _scale_tree(tree, True, np.float32(self.loss_scale))
+
+    def unscale(self, tree: T) -> T:
+        return _scale_tree(tree, False, np.float32(self.loss_scale))
+
+    def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
+        _check_bool_scalar(grads_finite, "grads_finite")
+        return self
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["loss_scale", "counter", "overflows"],
+    meta_fields=["period", "factor", "min_loss_scale", "max_loss_scale", "hysteresis"],
+)
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale(LossScale):
+    """A loss scale that grows while gradients are finite and backs off on overflow.
+
+    The rule, applied by `adjust(grads_finite)` once per step:
+
+    * finite step: `counter += 1`; when `counter` reaches `period` (that is, on
+      the `period`-th finite step in a row, as in jmp and PyTorch) the scale is
+      multiplied by `factor` if the result is finite and at most
+      `max_loss_scale` (otherwise it stays), and `counter` restarts at 0.
+    * non-finite step: `counter` restarts at 0 and the step counts as an
+      overflow; on the `hysteresis`-th overflow since the scale last grew or
+      backed off, the scale is divided by `factor`, floored at
+      `min_loss_scale` (and at float32's smallest normal number). With the
+      default `hysteresis=1` every overflow backs off, as in jmp.
+
+    The scale is a float32 leaf whatever dtype it was given in, `counter` an
+    int32 leaf; `overflows` (int32) exists only when `hysteresis > 1`, so a
+    default instance has exactly the leaves `[loss_scale, counter]`.
+
+    Args:
+      loss_scale: the initial scale (2**15 is a common choice).
+      counter: finite steps in a row so far.
+      period: finite steps in a row before the scale grows (>= 1).
+      factor: growth and back-off factor (> 1).
+      min_loss_scale: the scale never backs off below this.
+      max_loss_scale: the scale never grows above this.
+      hysteresis: overflows needed before the scale backs off (>= 1).
+      overflows: overflows since the scale last changed (only if hysteresis > 1).
+
+    Raises:
+      ValueError: for a non-positive or non-finite scale, `period < 1`,
+        `factor <= 1`, `hysteresis < 1` or bounds that do not hold the scale.
+
+    >>> import jax.numpy as jnp
+    >>> import jmp_policy as jmp
+    >>> s = jmp.DynamicLossScale(2.0**15, period=2)
+    >>> s = s.adjust(jnp.bool_(True)).adjust(jnp.bool_(True))
+    >>> float(s.loss_scale), int(s.counter)
+    (65536.0, 0)
+    >>> float(s.adjust(jnp.bool_(False)).loss_scale)
+    32768.0
+    """
+
+    loss_scale: jax.Array
+    counter: jax.Array = dataclasses.field(
+        default_factory=lambda: np.zeros([], np.int32)
+    )
+    period: int = 2000
+    factor: float = 2
+    min_loss_scale: float = 1.0
+    max_loss_scale: float = float(np.finfo(np.float32).max)
+    hysteresis: int = 1
+    overflows: jax.Array | None = None
+
+    def __post_init__(self):
+        set_ = functools.partial(object.__setattr__, self)
+        set_("loss_scale", _as_float32_scale(self.loss_scale, "loss_scale", True))
+        if _is_array_like(self.counter) and _dtype_of(self.counter) != np.int32:
+            set_("counter", jnp.asarray(self.counter, jnp.int32))
+        period = _static_float(self.period, "period")
+        if not (period >= 1 and period == int(period)):
+            raise ValueError(f"period must be an integer >= 1, got {self.period!r}.")
+        set_("period", int(period))
+        factor = _static_float(self.factor, "factor")
+        if not (factor > 1 and math.isfinite(factor)):
+            raise ValueError(f"factor must be a finite number > 1, got {self.factor!r}.")
+        set_("factor", self.factor if isinstance(self.factor, int) else factor)
+        lo = _static_float(self.min_loss_scale, "min_loss_scale", True)
+        hi = _static_float(self.max_loss_scale, "max_loss_scale")
+        if not (0 <= lo <= hi):
+            raise ValueError(
+                "Expected 0 <= min_loss_scale <= max_loss_scale, got "
+                f"min_loss_scale={lo}, max_loss_scale={hi}."
+            )
+        set_("min_loss_scale", lo)
+        set_("max_loss_scale", hi)
+        if not (isinstance(self.hysteresis, int) and self.hysteresis >= 1):
+            raise ValueError(
+                f"hysteresis must be an integer >= 1, got {self.hysteresis!r}."
+            )
+        if self.hysteresis > 1 and self.overflows is None:
+            set_("overflows", np.zeros([], np.int32))
+        scale = self.loss_scale
+        if _is_array_like(scale) and _is_concrete(scale) and np.ndim(scale) == 0:
+            if not lo <= float(scale) <= hi:
+                raise ValueError(
+                    f"loss_scale={float(scale)} is outside [min_loss_scale, "
+                    f"max_loss_scale] = [{lo}, {hi}]."
+                )
+
+    def scale(self, tree: T) -> T:
+        return _scale_tree(tree, True, self.loss_scale)
+
+    def unscale(self, tree: T) -> T:
+        return _scale_tree(tree, False, self.loss_scale)
+
+    def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
+        """Returns the next state, given whether this step's gradients were finite."""
+        _check_bool_scalar(grads_finite, "grads_finite")
+        grads_finite = jnp.asarray(grads_finite)
+        scale = self.loss_scale
+        grown = scale * np.float32(self.factor)
+        can_grow = jnp.isfinite(grown) & (grown <= self.max_loss_scale)
+        grow = grads_finite & (self.counter == self.period - 1) & can_grow
+        floor = np.float32(max(self.min_loss_scale, _TINY))
+        backed_off = jnp.maximum(scale / np.float32(self.factor), floor)
+
+        if self.hysteresis == 1:
+            back_off, overflows = ~grads_finite, None
+        else:
+            seen = self.overflows + (~grads_finite).astype(jnp.int32)
+            back_off = seen >= self.hysteresis
+            overflows = jnp.where(back_off | grow, 0, seen).astype(jnp.int32)
+
+        new_scale = jnp.where(grow, grown, jnp.where(back_off, backed_off, scale))
+        counter = jnp.where(grads_finite, (self.counter + 1) % self.period, 0)
+        return dataclasses.replace(
+            self,
+            loss_scale=new_scale,
+            counter=counter.astype(jnp.int32),
+            overflows=overflows,
+        )
+
+
+class ExpectedScalarError(ValueError, AssertionError):
+    """A predicate was not a boolean scalar (an `AssertionError` too, as in jmp)."""
+
+
+def _check_bool_scalar(pred: Any, name: str) -> None:
+    shape, dtype = np.shape(pred), _dtype_of(pred)
+    if shape != () or dtype != np.bool_:
+        raise ExpectedScalarError(
+            f"{name}: expected boolean scalar, got shape {shape} dtype {dtype}. "
+            "Reduce it first, e.g. with `all_finite(grads)`."
+        )
+
+
+def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
+    """Returns a boolean scalar: whether every floating value in the tree is finite.
+
+    Args:
+      tree: a pytree of arrays (non-floating leaves are always finite).
+      axis_name: inside `shard_map` or `pmap`, the mapped axis (or tuple of
+        axes) to agree over: the result is then True on every device only if
+        every device's values are finite.
+
+    >>> import jax.numpy as jnp
+    >>> import jmp_policy as jmp
+    >>> bool(jmp.all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
+    False
+    """
+    leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if _is_float_array(x)]
+    finite = jnp.stack(leaves).all() if leaves else jnp.array(True)
+    if axis_name is not None:
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return finite
+
+
+def select_tree(pred: jax.Array, a: T, b: T) -> T:
+    """Selects pytree `a` where the boolean scalar `pred` is True, else `b`.
+
+    Raises:
+      ExpectedScalarError: (a `ValueError` and an `AssertionError`) if `pred`
+        is not a boolean scalar.
+
+    >>> import jax.numpy as jnp
+    >>> import jmp_policy as jmp
+    >>> jmp.select_tree(jnp.bool_(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
+    {'w': Array([0., 0.], dtype=float32)}
+    """
+    _check_bool_scalar(pred, "pred")
+    return jax.tree.map(functools.partial(jax.lax.select, pred), a, b)

@@ -1,0 +1,135 @@
+"""The optax wrapper: unscale, check, skip non-finite steps, adjust the scale."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jmp_policy.loss_scale import LossScale, all_finite, select_tree
+
+
+class LossScaledState(NamedTuple):
+    """State of `loss_scaled`.
+
+    Attributes:
+      loss_scale: the current `LossScale` (find it with `get_loss_scale`).
+      inner_state: the wrapped transformation's state.
+      notfinite_count: non-finite steps in a row (0 after a finite step).
+      total_notfinite: non-finite steps since `init`.
+    """
+
+    loss_scale: LossScale
+    inner_state: Any
+    notfinite_count: jax.Array
+    total_notfinite: jax.Array
+
+
+def loss_scaled(
+    inner: optax.GradientTransformation,
+    loss_scale: LossScale,
+    *,
+    axis_name: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optimizer for gradients of a loss scaled by a `LossScale`.
+
+    `update` receives the gradients of `loss_scale.scale(loss)`. It divides
+    them by the scale (in float32), checks they are all finite and only then
+    lets `inner` see them, so clipping, weight decay, accumulation and
+    schedules inside `inner` work on true gradients. On a non-finite step it
+    returns zero updates and keeps `inner`'s state bit for bit (schedules do
+    not advance); unlike `optax.apply_if_finite` it never gives up and applies
+    a non-finite update. Last, the loss scale is adjusted.
+
+    With `NoOpLossScale` (bfloat16, float32) the wrapper adds only the
+    finiteness check and the skip to the step.
+
+    Args:
+      inner: the optimizer to wrap, e.g. `optax.adamw(1e-3)`.
+      loss_scale: the initial `NoOpLossScale`, `StaticLossScale` or
+        `DynamicLossScale`.
+      axis_name: inside `shard_map`/`pmap` with per-device gradients, the
+        axis to agree on finiteness over, so all devices skip together.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a
+      `LossScaledState`.
+
+    Raises:
+      TypeError: if `loss_scale` is not a `LossScale`.
+
+    References: Micikevicius et al., "Mixed Precision Training" (2018);
+    PyTorch's `GradScaler.step`/`update`; Keras' `LossScaleOptimizer`.
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import jmp_policy as jmp
+    >>> tx = jmp.loss_scaled(optax.sgd(0.1), jmp.DynamicLossScale(2.0**15))
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> grads = {"w": jnp.array([jnp.inf, 1.0])}  # an overflow: skipped
+    >>> updates, state = tx.update(grads, state, params)
+    >>> updates["w"], float(jmp.get_loss_scale(state).loss_scale)
+    (Array([-0., -0.], dtype=float32), 16384.0)
+    """
+    if not isinstance(loss_scale, LossScale):
+        raise TypeError(
+            "loss_scale must be a NoOpLossScale, StaticLossScale or "
+            f"DynamicLossScale, got {loss_scale!r}."
+        )
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params):
+        return LossScaledState(
+            loss_scale=loss_scale,
+            inner_state=inner.init(params),
+            notfinite_count=jnp.zeros([], jnp.int32),
+            total_notfinite=jnp.zeros([], jnp.int32),
+        )
+
+    def update(grads, state, params=None, **extra_args):
+        grads = state.loss_scale.unscale(grads)
+        finite = all_finite(grads, axis_name=axis_name)
+        updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+        # -0.0, not 0.0: p + (-0.0) == p bit for bit, signed zeros included.
+        skip_updates = jax.tree.map(lambda u: jnp.full_like(u, -0.0), updates)
+        updates = select_tree(finite, updates, skip_updates)
+        inner_state = select_tree(finite, inner_state, state.inner_state)
+        notfinite = (~finite).astype(jnp.int32)
+        return updates, LossScaledState(
+            loss_scale=state.loss_scale.adjust(finite),
+            inner_state=inner_state,
+            notfinite_count=(state.notfinite_count + notfinite) * notfinite,
+            total_notfinite=state.total_notfinite + notfinite,
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def get_loss_scale(opt_state: Any) -> LossScale:
+    """Returns the current `LossScale` found anywhere in an optax state.
+
+    Works through any nesting: `optax.chain`, `optax.named_chain`,
+    `optax.MultiSteps`, `optax.inject_hyperparams`, tuples and dicts.
+
+    Raises:
+      ValueError: if the state holds no `LossScaledState`, or more than one.
+
+    >>> import optax, jax.numpy as jnp
+    >>> import jmp_policy as jmp
+    >>> tx = optax.chain(optax.clip(1.0), jmp.loss_scaled(optax.sgd(0.1), jmp.StaticLossScale(8.0)))
+    >>> jmp.get_loss_scale(tx.init({"w": jnp.ones(2)}))
+    StaticLossScale(loss_scale=8.0)
+    """
+    found = [
+        s.loss_scale
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaledState))
+        if isinstance(s, LossScaledState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"get_loss_scale expects an optimizer state holding exactly one "
+            f"LossScaledState (from `loss_scaled`), found {len(found)}."
+        )
+    return found[0]

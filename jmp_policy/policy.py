@@ -1,0 +1,227 @@
+"""Mixed precision policies and the casting of pytrees.
+
+A superset of jmp 0.0.4's ``policy.py``: the same names, grammar and results,
+with dtypes normalised on construction so that ``str``, hashing and equality
+work for any dtype spelling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T = TypeVar("T")
+
+# The first name of each dtype is the one `str(policy)` prints (as jmp does).
+_DTYPE_NAMES = {
+    np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
+    np.dtype(np.float16): ("f16", "float16"),
+    np.dtype(np.float32): ("full", "f32", "float32"),
+    np.dtype(np.float64): ("f64", "float64"),
+}
+_NAME_TO_DTYPE = {n: d for d, names in _DTYPE_NAMES.items() for n in names}
+_KEYS = {
+    "p": "param_dtype",
+    "params": "param_dtype",
+    "c": "compute_dtype",
+    "compute": "compute_dtype",
+    "o": "output_dtype",
+    "output": "output_dtype",
+}
+_PRESETS = {
+    "mixed_bfloat16": "p=f32,c=bf16,o=f32",
+    "mixed_float16": "p=f32,c=f16,o=f32",
+}
+_ACCEPTED_DTYPES = ", ".join([*_NAME_TO_DTYPE, "half"])
+_ACCEPTED_KEYS = ", ".join(_KEYS)
+
+
+def half_dtype() -> np.dtype:
+    """Returns the half precision dtype of the default backend.
+
+    bfloat16 on TPU, float16 elsewhere (as in jmp).
+
+    >>> import jmp_policy as jmp
+    >>> str(jmp.half_dtype())  # on CPU and GPU
+    'float16'
+    """
+    on_tpu = jax.local_devices()[0].platform == "tpu"
+    return np.dtype(jnp.bfloat16 if on_tpu else np.float16)
+
+
+def _to_float_dtype(value: Any, field: str) -> np.dtype:
+    """Normalises a dtype-like (or a spec name such as 'bf16') to `np.dtype`."""
+    if isinstance(value, str) and (value in _NAME_TO_DTYPE or value == "half"):
+        return _parse_dtype(value)
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        raise TypeError(
+            f"Policy.{field} must be a floating dtype (float16, bfloat16, "
+            f"float32, float64 or one of {_ACCEPTED_DTYPES}), got {value!r}."
+        ) from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"Policy.{field} must be a floating dtype (float16, bfloat16, "
+            f"float32 or float64), got {dtype.name} from {value!r}."
+        )
+    return dtype
+
+
+def _is_float_array(x: Any) -> bool:
+    # Tracers are `jax.Array`s; PRNG keys, ints and bools are not floating.
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+        x.dtype, jnp.floating
+    )
+
+
+def _cast_floating_to(tree: T, dtype: np.dtype) -> T:
+    def cast(x):
+        if _is_float_array(x) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x  # Already right (no convert op), or not a float array.
+
+    return jax.tree.map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Which dtype parameters are stored in, computation runs in, and results take.
+
+    Frozen, hashable and equal by value, so it can be a static argument of
+    `jax.jit`. Dtypes are normalised to `numpy.dtype` on construction.
+
+    Args:
+      param_dtype: dtype parameters are stored and updated in.
+      compute_dtype: dtype of activations and of the matmul inputs.
+      output_dtype: dtype of the function's result.
+
+    Raises:
+      TypeError: if a dtype is not a floating dtype.
+
+    >>> import jax.numpy as jnp
+    >>> import jmp_policy as jmp
+    >>> policy = jmp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+    >>> str(policy)
+    'p=full,c=bf16,o=full'
+    >>> policy.cast_to_compute({"x": jnp.ones(2), "step": 3})["x"].dtype
+    dtype(bfloat16)
+    """
+
+    param_dtype: np.dtype
+    compute_dtype: np.dtype
+    output_dtype: np.dtype
+
+    def __post_init__(self):
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            dtype = _to_float_dtype(getattr(self, field), field)
+            object.__setattr__(self, field, dtype)
+
+    def cast_to_param(self, x: T) -> T:
+        """Casts the floating point arrays of a pytree to the param dtype."""
+        return _cast_floating_to(x, self.param_dtype)
+
+    def cast_to_compute(self, x: T) -> T:
+        """Casts the floating point arrays of a pytree to the compute dtype."""
+        return _cast_floating_to(x, self.compute_dtype)
+
+    def cast_to_output(self, x: T) -> T:
+        """Casts the floating point arrays of a pytree to the output dtype."""
+        return _cast_floating_to(x, self.output_dtype)
+
+    def with_param_dtype(self, param_dtype: Any) -> Policy:
+        """Returns a copy of this policy with another param dtype."""
+        return dataclasses.replace(self, param_dtype=param_dtype)
+
+    def with_compute_dtype(self, compute_dtype: Any) -> Policy:
+        """Returns a copy of this policy with another compute dtype."""
+        return dataclasses.replace(self, compute_dtype=compute_dtype)
+
+    def with_output_dtype(self, output_dtype: Any) -> Policy:
+        """Returns a copy of this policy with another output dtype."""
+        return dataclasses.replace(self, output_dtype=output_dtype)
+
+    def __str__(self) -> str:
+        p, c, o = (
+            _DTYPE_NAMES[d][0]
+            for d in (self.param_dtype, self.compute_dtype, self.output_dtype)
+        )
+        return f"p={p},c={c},o={o}"
+
+
+def _parse_dtype(value: str) -> np.dtype:
+    if value == "half":
+        return half_dtype()
+    try:
+        return _NAME_TO_DTYPE[value]
+    except KeyError:
+        raise ValueError(
+            f"Unknown dtype {value!r}: accepted dtype names are {_ACCEPTED_DTYPES}."
+        ) from None
+
+
+def get_policy(spec: str | Policy) -> Policy:
+    """Parses a policy from a spec string (jmp's grammar, plus presets).
+
+    A spec is a dtype name (all three dtypes), a preset (`mixed_bfloat16`,
+    `mixed_float16`) or comma-separated `key=dtype` parts with keys
+    `p`/`params`, `c`/`compute`, `o`/`output`. Params default to float32,
+    compute follows params and output follows compute. White space around
+    `,` and `=` is ignored. A `Policy` is returned unchanged.
+
+    Args:
+      spec: the spec string, e.g. `"p=f32,c=bf16,o=f32"`, or a `Policy`.
+
+    Returns:
+      The `Policy`.
+
+    Raises:
+      ValueError: quoting the bad part, if the spec cannot be parsed.
+
+    >>> import jmp_policy as jmp
+    >>> str(jmp.get_policy("c=bf16"))
+    'p=full,c=bf16,o=bf16'
+    >>> jmp.get_policy("mixed_float16") == jmp.get_policy("p = f32, c = f16, o = f32")
+    True
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"get_policy expects a spec string or a Policy, got {spec!r}.")
+    text = _PRESETS.get(spec.strip(), spec)
+    if "=" not in text:
+        dtype = _parse_dtype(text.strip())
+        return Policy(dtype, dtype, dtype)
+    dtypes = {}
+    for part in text.split(","):
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or "=" in value or not key or not value:
+            raise ValueError(
+                f"Bad part {part.strip()!r} in policy spec {spec!r}: each part must be "
+                f"key=dtype with key one of {_ACCEPTED_KEYS} and dtype one of "
+                f"{_ACCEPTED_DTYPES} (or the whole spec a dtype name or one of "
+                f"{', '.join(_PRESETS)})."
+            )
+        if key not in _KEYS:
+            raise ValueError(
+                f"Unknown key {key!r} in policy spec {spec!r}: accepted keys are "
+                f"{_ACCEPTED_KEYS}."
+            )
+        dtypes[_KEYS[key]] = _parse_dtype(value)
+    param = dtypes.get("param_dtype", np.dtype(np.float32))
+    compute = dtypes.get("compute_dtype", param)
+    return Policy(param, compute, dtypes.get("output_dtype", compute))
+
+
+def cast_to_full(tree: T) -> T:
+    """Casts the floating point arrays of a pytree to float32."""
+    return _cast_floating_to(tree, np.dtype(np.float32))
+
+
+def cast_to_half(tree: T) -> T:
+    """Casts the floating point arrays of a pytree to `half_dtype()`."""
+    return _cast_floating_to(tree, half_dtype())
