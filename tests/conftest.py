@@ -1,5 +1,14 @@
-"""Tests run under strict dtype promotion: a silent float32 upcast is an error."""
+"""Test set-up: 8 virtual CPU devices, and strict dtype promotion.
 
-import jax
+Strict promotion turns a silent float32 upcast into an error, which is what a
+precision library should be tested under.
+"""
+
+import os
+
+# Must be set before JAX starts its backend; multi-device tests need 8 devices.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
