@@ -3,6 +3,7 @@
 A superset of DeepMind's jmp: `import jmp_policy as jmp` runs jmp code.
 """
 
+from jmp_policy.linen import with_policy
 from jmp_policy.loss_scale import DynamicLossScale
 from jmp_policy.loss_scale import ExpectedScalarError
 from jmp_policy.loss_scale import LossScale
@@ -37,4 +38,5 @@ __all__ = (
     "half_dtype",
     "loss_scaled",
     "select_tree",
+    "with_policy",
 )

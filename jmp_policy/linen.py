@@ -1,0 +1,216 @@
+"""`with_policy`: a policy applied as a function transform over Flax linen modules.
+
+Flax linen modules take `dtype` (computation) and `param_dtype` (storage)
+attributes. `with_policy` sets them on every module as it is called, through
+a linen method interceptor, so a model written without precision in mind
+runs under any policy. A module's floating inputs are cast to its compute
+dtype as well: without that, the float32 output of a float32 LayerNorm would
+promote the next matmul back to float32 (a silent loss of Tensor Cores).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import fnmatch
+import functools
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+
+from jmp_policy.policy import Policy, get_policy
+
+PolicyLike = Policy | str
+Rules = Mapping[type | str, PolicyLike]
+
+# The policy of the module being called; children without a rule inherit it.
+_ACTIVE_POLICY: contextvars.ContextVar[Policy] = contextvars.ContextVar("policy")
+_LINEN_ENTRIES = ("apply", "init", "init_with_output")
+
+
+def _compile_rules(rules: Rules | None) -> list[tuple[type | str, Policy]]:
+    if rules is None:
+        return []
+    if not isinstance(rules, Mapping):
+        raise TypeError(f"rules must be a mapping of module class or path pattern to policy, got {rules!r}.")
+    compiled = []
+    for key, value in rules.items():
+        is_class = isinstance(key, type) and issubclass(key, nn.Module)
+        if not (is_class or (isinstance(key, str) and key)):
+            raise TypeError(
+                "rules keys must be a flax.linen.Module subclass or a non-empty module "
+                f"path pattern such as 'decoder/*/LayerNorm_*', got {key!r}."
+            )
+        if not isinstance(value, (Policy, str)):
+            raise TypeError(
+                f"rules[{key!r}] must be a Policy or a policy spec string such as "
+                f"'p=f32,c=f32,o=f32', got {value!r}."
+            )
+        compiled.append((key, get_policy(value)))
+    return compiled
+
+
+def _specificity(key: type | str, module: nn.Module, path: str) -> tuple[int, int] | None:
+    """How well a rule matches a module (higher wins), or None if it does not."""
+    if isinstance(key, str):
+        if not fnmatch.fnmatchcase(path, key):
+            return None
+        # A path beats any class; among paths, more literal characters win.
+        return (1, sum(c not in "*?[]" for c in key))
+    if not isinstance(module, key):
+        return None
+    # Among classes, the one nearest in the module's MRO wins.
+    return (0, -type(module).__mro__.index(key))
+
+
+def _module_policy(module: nn.Module, rules, inherited: Policy) -> Policy:
+    path = "/".join(str(p) for p in module.path)
+    best, best_score = inherited, None
+    for key, policy in rules:
+        score = _specificity(key, module, path)
+        if score is not None and (best_score is None or score > best_score):
+            best, best_score = policy, score  # Ties: the rule listed first wins.
+    return best
+
+
+def _attribute_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
+    overrides = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
+    return {k: v for k, v in overrides.items() if hasattr(module, k)}
+
+
+def _make_interceptor(rules) -> Callable:
+    def interceptor(next_fun, args, kwargs, context):
+        if context.method_name == "setup":
+            return next_fun(*args, **kwargs)
+        module = context.module
+        policy = _module_policy(module, rules, _ACTIVE_POLICY.get())
+        overrides = _attribute_overrides(module, policy)
+        saved = {name: getattr(module, name) for name in overrides}
+        token = _ACTIVE_POLICY.set(policy)
+        # Linen modules are frozen dataclasses: set the attributes for the
+        # duration of this call only, and put the user's values back after.
+        for name, value in overrides.items():
+            object.__setattr__(module, name, value)
+        try:
+            return next_fun(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
+        finally:
+            for name, value in saved.items():
+                object.__setattr__(module, name, value)
+            _ACTIVE_POLICY.reset(token)
+
+    return interceptor
+
+
+def _linen_entry(fn: Callable) -> str | None:
+    """'apply', 'init' or 'init_with_output' for a bound linen method, else None."""
+    if isinstance(getattr(fn, "__self__", None), nn.Module):
+        name = getattr(fn, "__name__", None)
+        return name if name in _LINEN_ENTRIES else None
+    return None
+
+
+def _returns_state(kwargs: dict) -> bool:
+    mutable = kwargs.get("mutable", False)
+    return bool(mutable) or bool(kwargs.get("capture_intermediates", False))
+
+
+def with_policy(fn: Callable, policy: PolicyLike, *, rules: Rules | None = None) -> Callable:
+    """Returns `fn` running under a mixed precision policy.
+
+    For a Flax linen `model.apply`, every module computes in the compute dtype
+    (its `dtype` attribute is set for the call, also where it was `None` or
+    float32) and its floating inputs are cast to that dtype; parameters stay
+    stored in the param dtype and are cast inside each module, so gradients
+    come back in the param dtype. The model's inputs are cast to compute and
+    its result to output; mutable collections (`batch_stats`) are returned as
+    the modules keep them (float32). `model.init` and `model.init_with_output`
+    create parameters in the param dtype. Any other function has its floating
+    arguments cast to compute and its result to output.
+
+    Normalisation layers need no rule: Flax's norms compute their statistics
+    in float32 (`force_float32_reductions`) and emit the compute dtype, so the
+    next matmul stays in half precision. Attention keeps Flax's own choice
+    (softmax in the compute dtype): Flax's `force_fp32_for_softmax=True` would
+    also turn the weights-times-values matmul into float32.
+
+    Rules override the policy per module class or per module path:
+
+    * a class matches its subclasses; the nearest class in the module's MRO wins;
+    * a path pattern (`fnmatch`, where `*` also matches `/`) is matched against
+      the module's path such as `"decoder/layers_0/LayerNorm_0"` and beats
+      any class rule; the pattern with more literal characters wins;
+    * remaining ties go to the rule listed first;
+    * a module without a matching rule inherits its parent's policy.
+
+    Args:
+      fn: a bound linen `model.apply` / `model.init` / `model.init_with_output`,
+        or any function of arrays.
+      policy: a `Policy` or a spec such as `"mixed_bfloat16"`.
+      rules: optional `{module class or path pattern: Policy or spec}`.
+
+    Returns:
+      The wrapped function. Jit it (`jax.jit(with_policy(...))`): a jitted
+      wrapped function and a jitted unwrapped one never share a trace.
+
+    Raises:
+      TypeError: if `fn` is already jitted (jit the result instead), or a rule
+        key or value is of the wrong type.
+      ValueError: if a policy spec is malformed.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import jmp_policy as jmp
+    >>> model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
+    >>> x = jnp.ones((4, 3))
+    >>> variables = jmp.with_policy(model.init, "mixed_bfloat16")(jax.random.key(0), x)
+    >>> apply = jmp.with_policy(model.apply, "mixed_bfloat16", rules={"layers_2": "f32"})
+    >>> variables["params"]["layers_0"]["kernel"].dtype, apply(variables, x).dtype
+    (dtype('float32'), dtype('float32'))
+    """
+    if hasattr(fn, "lower") and hasattr(fn, "__wrapped__"):
+        raise TypeError(
+            "with_policy got a jitted function, whose cached traces would ignore "
+            "the policy; jit the result instead: jax.jit(with_policy(fn, policy))."
+        )
+    if not callable(fn):
+        raise TypeError(f"with_policy expects a function as its first argument, got {fn!r}.")
+    policy = get_policy(policy)
+    compiled_rules = _compile_rules(rules)
+    interceptor = _make_interceptor(compiled_rules)
+    entry = _linen_entry(fn)
+    # Rules may store some modules' parameters in another dtype; then each
+    # module's `param_dtype` decides and init casts nothing afterwards.
+    cast_params = all(p.param_dtype == policy.param_dtype for _, p in compiled_rules)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        token = _ACTIVE_POLICY.set(policy)
+        try:
+            with nn.intercept_methods(interceptor):
+                if entry is None:
+                    args, kwargs = policy.cast_to_compute((args, kwargs))
+                    return policy.cast_to_output(fn(*args, **kwargs))
+                # The first argument is the variables (apply) or the PRNG key
+                # (init): variables keep their dtypes; modules cast parameters.
+                first, rest = args[0], policy.cast_to_compute(args[1:])
+                result = fn(first, *rest, **policy.cast_to_compute(kwargs))
+        finally:
+            _ACTIVE_POLICY.reset(token)
+        if entry == "init":
+            return _params_to_param_dtype(result, policy) if cast_params else result
+        if entry == "init_with_output":
+            out, variables = result
+            if cast_params:
+                variables = _params_to_param_dtype(variables, policy)
+            return policy.cast_to_output(out), variables
+        if _returns_state(kwargs):
+            out, state = result
+            return policy.cast_to_output(out), state
+        return policy.cast_to_output(result)
+
+    return wrapped
+
+
+def _params_to_param_dtype(variables, policy: Policy):
+    # Modules without a `param_dtype` attribute create float32 parameters.
+    if "params" not in variables:
+        return variables
+    return {**variables, "params": policy.cast_to_param(variables["params"])}
