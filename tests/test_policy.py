@@ -1,0 +1,864 @@
+"""Tests of `jmp_policy.policy`: spec parsing, `Policy` values, and pytree casting.
+
+Grouped like the module: the spec grammar (`get_policy`) and its errors, `Policy`
+construction and its value semantics (equality, hashing, `str`, use under
+`jax.jit`), the casts of every kind of leaf, and property tests of the grammar
+against a small independent reference parser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import re
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jmp_policy as jmp
+from jmp_policy import Policy, get_policy
+
+BF16 = np.dtype(jnp.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+F64 = np.dtype(np.float64)
+FLOATS = (BF16, F16, F32, F64)
+JAX_FLOATS = (BF16, F16, F32)  # x64 is off: jax arrays cannot hold float64.
+
+# Spellings of the grammar, written out here rather than read from the module.
+DTYPE_NAMES = {
+    BF16: ("bf16", "bfloat16"),
+    F16: ("f16", "float16"),
+    F32: ("full", "f32", "float32"),
+    F64: ("f64", "float64"),
+}
+FIRST_NAME = {BF16: "bf16", F16: "f16", F32: "full", F64: "f64"}
+ALL_DTYPE_NAMES = (*itertools.chain.from_iterable(DTYPE_NAMES.values()), "half")
+KEY_NAMES = {
+    "param_dtype": ("p", "params"),
+    "compute_dtype": ("c", "compute"),
+    "output_dtype": ("o", "output"),
+}
+ALL_KEY_NAMES = tuple(itertools.chain.from_iterable(KEY_NAMES.values()))
+FIELDS = tuple(KEY_NAMES)
+PRESETS = {"mixed_bfloat16": (F32, BF16, F32), "mixed_float16": (F32, F16, F32)}
+
+# Other ways users spell each dtype; all must give the same policy.
+SPELLINGS = {
+    BF16: (jnp.bfloat16, "bfloat16", np.dtype(jnp.bfloat16), jnp.dtype("bfloat16")),
+    F16: (np.float16, jnp.float16, "float16", np.dtype("float16"), "e"),
+    F32: (np.float32, jnp.float32, "float32", np.dtype("float32"), "f4"),
+    F64: (np.float64, jnp.float64, "float64", np.dtype("float64"), float),
+}
+
+
+def half() -> np.dtype:
+    """The half dtype the backend should get (jmp: bfloat16 on TPU only)."""
+    return BF16 if jax.devices()[0].platform == "tpu" else F16
+
+
+def dtypes_of(policy: Policy) -> tuple[np.dtype, np.dtype, np.dtype]:
+    return (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+
+
+def words(message: str) -> set[str]:
+    return set(re.findall(r"\w+", message))
+
+
+# --------------------------------------------------------------------------
+# half_dtype
+# --------------------------------------------------------------------------
+
+
+def test_half_dtype_is_float16_off_tpu():
+    """half_dtype() is float16 on CPU/GPU (bfloat16 only on TPU), as a numpy dtype."""
+    dtype = jmp.half_dtype()
+    assert isinstance(dtype, np.dtype)
+    assert dtype == half()
+    if jax.devices()[0].platform == "cpu":
+        assert dtype == F16
+
+
+# --------------------------------------------------------------------------
+# get_policy: every accepted spec form
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,dtype",
+    [(n, d) for d, names in DTYPE_NAMES.items() for n in names],
+)
+def test_bare_dtype_name_sets_all_three(name, dtype):
+    """A bare dtype name (any alias) sets params, compute and output."""
+    assert dtypes_of(get_policy(name)) == (dtype, dtype, dtype)
+
+
+def test_bare_half_is_backend_half():
+    """'half' resolves to half_dtype() for all three fields."""
+    assert dtypes_of(get_policy("half")) == (half(),) * 3
+    assert dtypes_of(get_policy("c=half")) == (F32, half(), half())
+
+
+@pytest.mark.parametrize("preset,expected", PRESETS.items())
+def test_presets(preset, expected):
+    """The presets expand to p=f32 with half compute and f32 output."""
+    assert dtypes_of(get_policy(preset)) == expected
+    assert dtypes_of(get_policy(f"  {preset}\t")) == expected
+
+
+@pytest.mark.parametrize(
+    "field,key", [(f, k) for f, keys in KEY_NAMES.items() for k in keys]
+)
+def test_every_key_spelling_sets_its_field(field, key):
+    """Each key alias (p/params, c/compute, o/output) sets its own field only."""
+    others = [f"{KEY_NAMES[f][0]}=f64" for f in FIELDS if f != field]
+    policy = get_policy(",".join([f"{key}=bf16", *others]))
+    assert dtypes_of(policy) == tuple(BF16 if f == field else F64 for f in FIELDS)
+
+
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("c=f16", (F32, F16, F16)),  # params default f32; output follows compute.
+        ("p=f16", (F16, F16, F16)),  # compute follows params, output follows compute.
+        ("o=bf16", (F32, F32, BF16)),
+        ("p=bf16,o=f32", (BF16, BF16, F32)),  # compute follows params.
+        ("p=f16,c=bf16", (F16, BF16, BF16)),
+        ("c=bf16,o=f32", (F32, BF16, F32)),
+        ("params=f64,compute=f16,output=bf16", (F64, F16, BF16)),
+        ("o=f16,c=bf16,p=f64", (F64, BF16, F16)),  # order does not matter.
+        ("p=full,c=float16", (F32, F16, F16)),
+    ],
+)
+def test_defaults_and_keyed_specs(spec, expected):
+    """Params default to f32, compute follows params, output follows compute."""
+    assert dtypes_of(get_policy(spec)) == expected
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "p = f32, c = bf16, o = f32",
+        " p=f32 ,c=bf16 , o=f32 ",
+        "p\t=\tf32,\tc= bf16 ,o =f32",
+        "params =full ,  compute=  bfloat16,output = float32",
+        "\np=f32,\nc=bf16,\no=f32\n",
+    ],
+)
+def test_white_space_around_separators(spec):
+    """White space around ',' and '=' (and at the ends) is ignored."""
+    assert dtypes_of(get_policy(spec)) == (F32, BF16, F32)
+
+
+def test_white_space_around_bare_name():
+    """A bare dtype name may be padded with white space."""
+    assert dtypes_of(get_policy("  bf16 ")) == (BF16,) * 3
+
+
+def test_repeated_key_last_wins():
+    """As in jmp, a key given twice takes its last value."""
+    assert dtypes_of(get_policy("c=f16,c=bf16")) == (F32, BF16, BF16)
+    assert dtypes_of(get_policy("p=f16,params=f64")) == (F64, F64, F64)
+
+
+def test_get_policy_of_policy_is_identity():
+    """get_policy(policy) returns that very policy."""
+    policy = Policy(F32, BF16, F16)
+    assert get_policy(policy) is policy
+
+
+def test_get_policy_rejects_non_string():
+    """Anything but a str or Policy is a TypeError (as in jmp), not a silent policy."""
+    for spec in (None, 3, b"f16", F16):
+        with pytest.raises(TypeError):
+            get_policy(spec)
+
+
+# --------------------------------------------------------------------------
+# get_policy: errors
+# --------------------------------------------------------------------------
+
+_KEYS = "keys"
+_DTYPES = "dtypes"
+
+
+@pytest.mark.parametrize(
+    "spec,quoted,lists",
+    [
+        ("x=f16", "'x'", {_KEYS}),
+        ("c=f16,x=f16", "'x'", {_KEYS}),
+        ("C=f16", "'C'", {_KEYS}),
+        ("c=f17", "'f17'", {_DTYPES}),
+        ("c = f16 , o = f17", "'f17'", {_DTYPES}),
+        ("compute_float16", "'compute_float16'", {_DTYPES}),
+        ("F16", "'F16'", {_DTYPES}),
+        ("", "''", {_DTYPES}),
+        ("c=f16,,o=f32", "''", {_KEYS, _DTYPES}),
+        ("c=f16,", "''", {_KEYS, _DTYPES}),
+        ("c==f16", "'c==f16'", {_KEYS, _DTYPES}),
+        ("=f16", "'=f16'", {_KEYS, _DTYPES}),
+        ("c=f16=", "'c=f16='", {_KEYS, _DTYPES}),
+        ("c=", "'c='", {_KEYS, _DTYPES}),
+        ("c=f16,bf16", "'bf16'", {_KEYS, _DTYPES}),
+        ("mixed_bfloat16,o=f16", "'mixed_bfloat16'", {_KEYS, _DTYPES}),
+    ],
+)
+def test_bad_spec_raises_value_error_quoting_the_part(spec, quoted, lists):
+    """A bad spec raises ValueError that quotes the bad part and lists what is accepted."""
+    with pytest.raises(ValueError) as info:
+        get_policy(spec)
+    message = str(info.value)
+    assert quoted in message
+    found = words(message)
+    if _KEYS in lists:
+        assert set(ALL_KEY_NAMES) <= found, message
+    if _DTYPES in lists:
+        assert set(ALL_DTYPE_NAMES) <= found, message
+
+
+@pytest.mark.parametrize("spec", ["c=f17", "compute_float16", "p=f32,c=float8", "half16"])
+def test_unknown_dtype_message(spec):
+    """jmp compatibility: an unknown dtype's message contains 'Unknown dtype'."""
+    with pytest.raises(ValueError, match="Unknown dtype"):
+        get_policy(spec)
+
+
+# --------------------------------------------------------------------------
+# Policy construction
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_construction_normalises_every_spelling(dtype):
+    """Every spelling of a float dtype is stored as the same `np.dtype`."""
+    for spelling in SPELLINGS[dtype]:
+        policy = Policy(spelling, spelling, spelling)
+        for field in dtypes_of(policy):
+            assert type(field) is type(dtype) and isinstance(field, np.dtype)
+            assert field == dtype
+
+
+_BAD_DTYPES = [
+    pytest.param(jnp.int32, id="jnp.int32"),
+    pytest.param(np.int8, id="np.int8"),
+    pytest.param("int32", id="'int32'"),
+    pytest.param(bool, id="bool"),
+    pytest.param(jnp.bool_, id="jnp.bool_"),
+    pytest.param(np.complex64, id="complex64"),
+    pytest.param("not_a_dtype", id="'not_a_dtype'"),
+    pytest.param(object(), id="object()"),
+    pytest.param(1.5, id="1.5"),
+    pytest.param(jax.random.key(0).dtype, id="key-dtype"),
+]
+
+
+@pytest.mark.parametrize("field", FIELDS)
+@pytest.mark.parametrize("bad", _BAD_DTYPES)
+def test_non_float_dtype_is_type_error_naming_field(field, bad):
+    """A non-floating dtype raises TypeError naming the offending field only."""
+    kwargs = dict.fromkeys(FIELDS, F32)
+    kwargs[field] = bad
+    with pytest.raises(TypeError) as info:
+        Policy(**kwargs)
+    message = str(info.value)
+    assert field in message
+    assert not any(other in message for other in FIELDS if other != field)
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_none_dtype_is_type_error(field):
+    """None is not a dtype (np.dtype(None) would silently mean float64)."""
+    kwargs = dict.fromkeys(FIELDS, F32)
+    kwargs[field] = None
+    with pytest.raises(TypeError, match=field):
+        Policy(**kwargs)
+
+
+@pytest.mark.parametrize("bad", ["(f4,2)", (np.float32, -1)], ids=["syntax", "shape"])
+def test_malformed_dtype_is_type_error(bad):
+    """Whatever np.dtype raises on garbage, Policy raises TypeError naming the field."""
+    with pytest.raises(TypeError, match="compute_dtype"):
+        Policy(F32, bad, F32)
+
+
+_OTHER_FLOATS = [
+    # longdouble is float64 on some platforms; only the wider one is "other".
+    *(
+        [pytest.param(np.dtype(np.longdouble), id="longdouble")]
+        if np.dtype(np.longdouble) not in FLOATS
+        else []
+    ),
+    pytest.param(np.dtype(">f4"), id="big-endian-f4"),
+    pytest.param(np.dtype(jnp.float8_e4m3fn), id="float8_e4m3fn"),
+    pytest.param(np.dtype(jnp.float8_e5m2), id="float8_e5m2"),
+]
+
+
+@pytest.mark.parametrize("dtype", _OTHER_FLOATS)
+def test_other_float_dtypes_rejected_or_round_trip(dtype):
+    """A float dtype outside the grammar is either rejected (TypeError) or prints a
+    spec that parses back; it must never give a policy whose str() crashes."""
+    try:
+        policy = Policy(F32, dtype, F32)
+    except TypeError as e:
+        assert "compute_dtype" in str(e)
+        return
+    assert get_policy(str(policy)) == policy
+
+
+# --------------------------------------------------------------------------
+# Policy value semantics: equality, hashing, frozen, str, jit
+# --------------------------------------------------------------------------
+
+
+def test_equal_and_same_hash_across_spellings():
+    """Policies built from different dtype spellings are equal and hash equally."""
+    dtypes = (F32, BF16, F16)
+    policies = [
+        Policy(*spellings)
+        for spellings in itertools.product(*(SPELLINGS[d] for d in dtypes))
+    ]
+    policies.append(get_policy("p=float32, c=bfloat16, o=float16"))
+    first = policies[0]
+    for policy in policies:
+        assert policy == first
+        assert hash(policy) == hash(first)
+    assert len(set(policies)) == 1
+    assert {first: "x"}[Policy("float32", "bfloat16", "float16")] == "x"
+
+
+def test_different_policies_are_unequal():
+    """Equality is by all three fields."""
+    base = Policy(F32, BF16, F32)
+    assert base != base.with_param_dtype(F16)
+    assert base != base.with_compute_dtype(F16)
+    assert base != base.with_output_dtype(F16)
+    assert base != "p=full,c=bf16,o=full"
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_frozen(field):
+    """A policy is immutable (so it is safe as a jit static argument)."""
+    policy = Policy(F32, BF16, F32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(policy, field, F16)
+    assert dtypes_of(policy) == (F32, BF16, F32)
+
+
+@pytest.mark.parametrize(
+    "policy,expected",
+    [
+        (Policy(F32, F32, F32), "p=full,c=full,o=full"),
+        (Policy(F32, BF16, F32), "p=full,c=bf16,o=full"),
+        (Policy(F16, F64, BF16), "p=f16,c=f64,o=bf16"),
+        (Policy(np.dtype("float32"), np.dtype("float16"), np.float32), "p=full,c=f16,o=full"),
+        (Policy("float64", jnp.bfloat16, jnp.float16), "p=f64,c=bf16,o=f16"),
+        (get_policy("mixed_bfloat16"), "p=full,c=bf16,o=full"),
+    ],
+)
+def test_str_prints_jmp_first_names(policy, expected):
+    """str() uses jmp's first name of each dtype: full, bf16, f16, f64."""
+    assert str(policy) == expected
+
+
+@pytest.mark.parametrize("dtypes", list(itertools.product(FLOATS, repeat=3)), ids=str)
+def test_str_round_trips_for_every_combination(dtypes):
+    """get_policy(str(p)) == p for all 64 combinations, whatever the dtype spelling."""
+    spelled = [dtypes, *(tuple(SPELLINGS[d][i] for d in dtypes) for i in (0, 2))]
+    for spellings in spelled:
+        policy = Policy(*spellings)
+        text = str(policy)
+        assert text == "p={},c={},o={}".format(*(FIRST_NAME[d] for d in dtypes))
+        again = get_policy(text)
+        assert again == policy and hash(again) == hash(policy)
+        assert dtypes_of(again) == dtypes
+
+
+def test_static_jit_argument_shares_one_trace():
+    """A policy works as a jit static argument; equal policies share one trace."""
+    traces = []
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def f(x, policy):
+        traces.append(policy)
+        return policy.cast_to_output(policy.cast_to_compute(x) * 2)
+
+    x = jnp.ones(3, jnp.float32)
+    outs = [
+        f(x, Policy(np.float32, jnp.bfloat16, "float32")),
+        f(x, Policy(np.dtype("float32"), "bfloat16", jnp.float32)),
+        f(x, get_policy("mixed_bfloat16")),
+        f(x, get_policy(" p = f32 , c = bfloat16 ")).astype(F32),  # o=bf16: new trace
+    ]
+    assert len(traces) == 2
+    assert [o.dtype for o in outs[:3]] == [F32] * 3
+    f(x, get_policy("mixed_bfloat16"))
+    assert len(traces) == 2
+    f(x, get_policy("mixed_float16"))
+    assert len(traces) == 3
+    np.testing.assert_array_equal(np.asarray(outs[0]), np.full(3, 2.0, np.float32))
+
+
+# --------------------------------------------------------------------------
+# with_param_dtype / with_compute_dtype / with_output_dtype
+# --------------------------------------------------------------------------
+
+_WITH = {
+    "param_dtype": "with_param_dtype",
+    "compute_dtype": "with_compute_dtype",
+    "output_dtype": "with_output_dtype",
+}
+
+
+@pytest.mark.parametrize("field", FIELDS)
+@pytest.mark.parametrize("spelling", [jnp.float16, "float16", np.dtype("float16")], ids=str)
+def test_with_dtype_replaces_one_field(field, spelling):
+    """with_X_dtype returns a new, normalised policy changing X only."""
+    policy = Policy(F32, BF16, F64)
+    new = getattr(policy, _WITH[field])(spelling)
+    assert isinstance(new, Policy) and new is not policy
+    expected = dict(zip(FIELDS, dtypes_of(policy)), **{field: F16})
+    assert dtypes_of(new) == tuple(expected[f] for f in FIELDS)
+    assert all(isinstance(d, np.dtype) for d in dtypes_of(new))
+    assert dtypes_of(policy) == (F32, BF16, F64)  # Original untouched.
+    assert get_policy(str(new)) == new
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_with_dtype_validates(field):
+    """with_X_dtype rejects a non-floating dtype with a TypeError naming X."""
+    with pytest.raises(TypeError, match=field):
+        getattr(Policy(F32, BF16, F32), _WITH[field])(jnp.int32)
+
+
+# --------------------------------------------------------------------------
+# Casting: floating leaves
+# --------------------------------------------------------------------------
+
+# Each method of this policy targets a different dtype, so a method that used
+# the wrong field would be caught.
+POLICY = Policy(F32, BF16, F16)
+METHODS = {"cast_to_param": F32, "cast_to_compute": BF16, "cast_to_output": F16}
+VALUES = [0.5, -2.0, 3.0, 0.0]  # Exact in every float dtype.
+
+
+def _assert_values(out):
+    np.testing.assert_array_equal(np.asarray(out).astype(np.float32), np.float32(VALUES))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("src", JAX_FLOATS, ids=str)
+def test_cast_jax_float_array(src, method, jit):
+    """Jax float arrays are cast to the method's dtype, eager and under jit."""
+    x = jnp.asarray(VALUES, dtype=src)
+    fn = getattr(POLICY, method)
+    out = (jax.jit(fn) if jit else fn)(x)
+    assert isinstance(out, jax.Array)
+    assert out.dtype == METHODS[method]
+    _assert_values(out)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("src", FLOATS, ids=str)
+def test_cast_numpy_float_array_stays_numpy(src, method):
+    """Numpy float arrays (f64 included) are cast and stay numpy arrays."""
+    x = np.asarray(VALUES, dtype=src)
+    out = getattr(POLICY, method)(x)
+    assert type(out) is np.ndarray
+    assert out.dtype == METHODS[method]
+    _assert_values(out)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("src", FLOATS, ids=str)
+def test_cast_numpy_float_array_under_jit(src, method):
+    """Under jit a numpy float argument is a tracer and is cast like one."""
+    x = np.asarray(VALUES, dtype=src)
+    out = jax.jit(getattr(POLICY, method))(x)
+    assert out.dtype == METHODS[method]
+    _assert_values(out)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("src", FLOATS, ids=str)
+def test_cast_numpy_float_scalar(src, method):
+    """Numpy float scalars are cast and stay numpy scalars."""
+    x = np.asarray(1.5, dtype=src)[()]
+    assert isinstance(x, np.generic)
+    out = getattr(POLICY, method)(x)
+    assert isinstance(out, np.generic)
+    assert out.dtype == METHODS[method]
+    assert float(out) == 1.5
+
+
+def test_cast_to_float64_numpy():
+    """A float64 target is honoured for numpy leaves (x64 does not apply to numpy)."""
+    policy = Policy(F64, F64, F64)
+    out = policy.cast_to_compute({"a": np.ones(2, F32), "s": np.float16(2.0)})
+    assert out["a"].dtype == F64 and type(out["a"]) is np.ndarray
+    assert out["s"].dtype == F64 and isinstance(out["s"], np.generic)
+
+
+# --------------------------------------------------------------------------
+# Casting: leaves that must pass through
+# --------------------------------------------------------------------------
+
+
+def _pass_through_leaves() -> dict[str, Any]:
+    return {
+        "jax_int32": jnp.arange(3, dtype=jnp.int32),
+        "jax_uint8": jnp.arange(3, dtype=jnp.uint8),
+        "jax_bool": jnp.array([True, False]),
+        "jax_complex": jnp.ones(2, jnp.complex64),
+        "np_int64": np.arange(3, dtype=np.int64),
+        "np_bool": np.array([True, False]),
+        "np_complex": np.ones(2, np.complex128),
+        "np_int_scalar": np.int32(7),
+        "typed_key": jax.random.key(0),
+        "raw_key": jax.random.PRNGKey(0),
+    }
+
+
+@pytest.mark.parametrize("method", [*METHODS, "cast_to_half", "cast_to_full"])
+@pytest.mark.parametrize("name", list(_pass_through_leaves()))
+def test_non_float_array_leaves_unchanged_eager(name, method):
+    """Int, bool, complex arrays and PRNG keys (typed and raw) are returned as is."""
+    x = _pass_through_leaves()[name]
+    fn = getattr(POLICY, method) if method in METHODS else getattr(jmp, method)
+    assert fn(x) is x
+    assert fn({"leaf": x})["leaf"] is x
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_non_float_array_leaves_unchanged_under_jit(method):
+    """Under jit, non-float leaves keep dtype and value (keys stay keys)."""
+    leaves = _pass_through_leaves()
+    leaves.pop("np_complex")  # complex128 would be narrowed by jit itself (x64 off).
+    out = jax.jit(getattr(POLICY, method))(leaves)
+    for name, x in leaves.items():
+        y = out[name]
+        if name == "typed_key":
+            assert jax.dtypes.issubdtype(y.dtype, jax.dtypes.prng_key)
+            np.testing.assert_array_equal(jax.random.key_data(y), jax.random.key_data(x))
+        else:
+            expected = np.asarray(x).dtype
+            if expected == np.int64:
+                expected = np.dtype(np.int32)  # jit's own x64-off narrowing.
+            assert y.dtype == expected, name
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+class _Opaque:
+    pass
+
+
+def _python_leaves() -> dict[str, Any]:
+    return {
+        "float": 1.5,
+        "int": 3,
+        "bool": True,
+        "complex": 1j,
+        "str": "text",
+        "object": _Opaque(),
+        "dtype_class": jnp.float32,
+    }
+
+
+@pytest.mark.parametrize("method", [*METHODS, "cast_to_half", "cast_to_full"])
+def test_python_scalars_and_objects_unchanged_eager(method):
+    """Python scalars, strings and arbitrary objects pass through by identity."""
+    fn = getattr(POLICY, method) if method in METHODS else getattr(jmp, method)
+    tree = _python_leaves()
+    out = fn(tree)
+    assert out.keys() == tree.keys()
+    for name, x in tree.items():
+        assert out[name] is x, name
+        assert fn(x) is x, name
+    assert fn(None) is None
+    assert fn({"a": None, "b": [None]}) == {"a": None, "b": [None]}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_python_scalars_and_objects_unchanged_under_jit(method):
+    """Inside a jitted function, Python leaves closed over are still left alone."""
+    tree = dict(_python_leaves(), none=None)
+    seen = {}
+
+    @jax.jit
+    def f(x):
+        out = getattr(POLICY, method)(dict(tree, x=x))
+        seen.update(out)
+        return out["x"]
+
+    assert f(jnp.ones(2, F32)).dtype == METHODS[method]
+    for name, x in tree.items():
+        assert seen[name] is x, name
+
+
+# --------------------------------------------------------------------------
+# Casting: matching leaves are not converted
+# --------------------------------------------------------------------------
+
+
+def _convert_eqns(fn, tree):
+    jaxpr = jax.make_jaxpr(fn)(tree).jaxpr
+    return [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_no_convert_when_dtypes_match(method):
+    """A tree already in the target dtype traces to a program with no convert op."""
+    target = METHODS[method]
+    tree = {
+        "jax": jnp.ones((2, 3), target),
+        "np": np.ones(4, target),
+        "list": [jnp.zeros(1, target), jnp.arange(2)],
+        "key": jax.random.key(1),
+        "bool": jnp.array(True),
+    }
+    assert _convert_eqns(getattr(POLICY, method), tree) == []
+
+
+@pytest.mark.parametrize("target", JAX_FLOATS, ids=str)
+def test_one_convert_per_leaf_needing_a_cast(target):
+    """Exactly one convert op per float leaf whose dtype differs from the target."""
+    policy = Policy(F32, target, F32)
+    tree = {
+        "f": [jnp.ones(2, d) for d in JAX_FLOATS],
+        "np": np.ones(3, F32),
+        "i": jnp.arange(2),
+        "key": jax.random.PRNGKey(0),
+    }
+    needing = sum(d != target for d in JAX_FLOATS) + (F32 != target)
+    eqns = _convert_eqns(policy.cast_to_compute, tree)
+    assert len(eqns) == needing
+    assert all(e.outvars[0].aval.dtype == target for e in eqns)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_matching_eager_array_is_same_object(method):
+    """A jax/numpy array or numpy scalar already in the target dtype is returned as is."""
+    target = METHODS[method]
+    fn = getattr(POLICY, method)
+    for x in (jnp.ones(3, target), np.ones(3, target), np.ones((), target)[()]):
+        assert fn(x) is x
+        assert fn([x])[0] is x
+
+
+# --------------------------------------------------------------------------
+# Casting: nested trees
+# --------------------------------------------------------------------------
+
+
+class Batch(NamedTuple):
+    image: Any
+    label: Any
+    meta: Any
+
+
+def _nested_tree():
+    return {
+        "params": {"w": jnp.ones((2, 2), F32), "b": np.zeros(2, F16)},
+        "batch": Batch(
+            image=jnp.full((1, 2), 0.5, BF16),
+            label=jnp.arange(1),
+            meta=(1.5, None, np.float64(2.0)),
+        ),
+        "steps": [np.int32(3), jax.random.key(0), [jnp.zeros(1, F16)]],
+    }
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("method", METHODS)
+def test_nested_mixed_tree(method, jit):
+    """Dicts, lists, tuples and NamedTuples keep their structure; only floats change."""
+    tree = _nested_tree()
+    fn = getattr(POLICY, method)
+    if jit:
+        # Python scalars cannot be jit arguments; keep them static via closure.
+        meta = tree["batch"].meta
+        stripped = {**tree, "batch": tree["batch"]._replace(meta=None)}
+
+        @jax.jit
+        def fj(t):
+            t = {**t, "batch": t["batch"]._replace(meta=meta)}
+            out = fn(t)
+            return {**out, "batch": out["batch"]._replace(meta=out["batch"].meta[2])}
+
+        out = fj(stripped)
+        meta_out = out["batch"].meta
+        assert meta_out.dtype == METHODS[method]
+    else:
+        out = fn(tree)
+        assert jax.tree.structure(out) == jax.tree.structure(tree)
+        assert out["batch"].meta[0] == 1.5 and out["batch"].meta[1] is None
+        assert isinstance(out["batch"].meta[2], np.generic)
+        assert out["batch"].meta[2].dtype == METHODS[method]
+        assert out["steps"][0] is tree["steps"][0]
+        assert type(out["params"]["b"]) is np.ndarray
+    target = METHODS[method]
+    assert isinstance(out["batch"], Batch)
+    assert out["params"]["w"].dtype == target
+    assert out["params"]["b"].dtype == target
+    assert out["batch"].image.dtype == target
+    assert out["batch"].label.dtype == jnp.int32
+    assert out["steps"][2][0].dtype == target
+    assert jax.dtypes.issubdtype(out["steps"][1].dtype, jax.dtypes.prng_key)
+
+
+# --------------------------------------------------------------------------
+# cast_to_half / cast_to_full
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_cast_to_half_and_full(jit):
+    """cast_to_half gives half_dtype(), cast_to_full float32; non-floats untouched."""
+    tree = {
+        "f32": jnp.asarray(VALUES, F32),
+        "bf16": jnp.asarray(VALUES, BF16),
+        "f16": jnp.asarray(VALUES, F16),
+        "i": jnp.arange(4),
+        "np": np.asarray(VALUES, F64),
+    }
+    to_half = jax.jit(jmp.cast_to_half) if jit else jmp.cast_to_half
+    to_full = jax.jit(jmp.cast_to_full) if jit else jmp.cast_to_full
+    halves, fulls = to_half(tree), to_full(tree)
+    for name in ("f32", "bf16", "f16", "np"):
+        assert halves[name].dtype == half(), name
+        assert fulls[name].dtype == F32, name
+        _assert_values(halves[name])
+        _assert_values(fulls[name])
+    assert halves["i"].dtype == fulls["i"].dtype == jnp.int32
+    if not jit:
+        assert type(halves["np"]) is np.ndarray and type(fulls["np"]) is np.ndarray
+        assert halves["i"] is tree["i"] and fulls["f32"] is tree["f32"]
+        assert halves["f16"] is tree["f16"]
+
+
+def test_cast_to_full_no_convert_for_float32():
+    """cast_to_full/half add a convert op only for leaves not already in their dtype."""
+    assert _convert_eqns(jmp.cast_to_full, [jnp.ones(2, F32), jnp.arange(2)]) == []
+    assert len(_convert_eqns(jmp.cast_to_half, [jnp.ones(2, F32), jnp.ones(2, half())])) == 1
+
+
+# --------------------------------------------------------------------------
+# Property tests of the grammar
+# --------------------------------------------------------------------------
+
+_HALF = half()
+_NAME_TO_DTYPE = {n: d for d, names in DTYPE_NAMES.items() for n in names} | {"half": _HALF}
+_KEY_TO_FIELD = {k: f for f, keys in KEY_NAMES.items() for k in keys}
+
+# An independent, regex-based reader of the grammar. `\s` and `str.strip` agree
+# on what white space is (both use Unicode's definition).
+_NAME_RE = "|".join(sorted(map(re.escape, _NAME_TO_DTYPE), key=len, reverse=True))
+_KEY_RE = "|".join(sorted(_KEY_TO_FIELD, key=len, reverse=True))
+_PART_RE = rf"\s*(?:{_KEY_RE})\s*=\s*(?:{_NAME_RE})\s*"
+_BARE = re.compile(rf"\s*({_NAME_RE}|{'|'.join(PRESETS)})\s*")
+_KEYED = re.compile(rf"{_PART_RE}(?:,{_PART_RE})*")
+_PAIR = re.compile(rf"({_KEY_RE})\s*=\s*({_NAME_RE})")
+
+
+def _resolve(assigned: dict[str, np.dtype]) -> tuple[np.dtype, np.dtype, np.dtype]:
+    p = assigned.get("param_dtype", F32)
+    c = assigned.get("compute_dtype", p)
+    return p, c, assigned.get("output_dtype", c)
+
+
+def reference_parse(spec: str):
+    """The (p, c, o) the grammar gives `spec`, or None when it is not in the grammar."""
+    if m := _BARE.fullmatch(spec):
+        name = m.group(1)
+        return PRESETS[name] if name in PRESETS else (_NAME_TO_DTYPE[name],) * 3
+    if _KEYED.fullmatch(spec):
+        assigned = {}
+        for key, name in _PAIR.findall(spec):
+            assigned[_KEY_TO_FIELD[key]] = _NAME_TO_DTYPE[name]
+        return _resolve(assigned)
+    return None
+
+
+_ws = st.sampled_from(["", "", " ", "  ", "\t", "\n", " \t "])
+_dtype_name = st.sampled_from(sorted(_NAME_TO_DTYPE))
+_key = st.sampled_from(sorted(_KEY_TO_FIELD))
+
+
+@st.composite
+def valid_specs(draw):
+    """A valid spec and the dtypes it must give, built from the grammar's parts."""
+    kind = draw(st.sampled_from(["bare", "preset", "keyed"]))
+    if kind == "bare":
+        name = draw(_dtype_name)
+        return draw(_ws) + name + draw(_ws), (_NAME_TO_DTYPE[name],) * 3
+    if kind == "preset":
+        name = draw(st.sampled_from(sorted(PRESETS)))
+        return draw(_ws) + name + draw(_ws), PRESETS[name]
+    pairs = draw(st.lists(st.tuples(_key, _dtype_name), min_size=1, max_size=5))
+    parts = [
+        draw(_ws) + key + draw(_ws) + "=" + draw(_ws) + name + draw(_ws) for key, name in pairs
+    ]
+    assigned = {}
+    for key, name in pairs:  # Last assignment of a field wins.
+        assigned[_KEY_TO_FIELD[key]] = _NAME_TO_DTYPE[name]
+    return ",".join(parts), _resolve(assigned)
+
+
+_PROPS = settings(max_examples=200, deadline=None)
+
+
+@_PROPS
+@given(valid_specs())
+def test_property_valid_specs_parse_and_round_trip(case):
+    """Random valid specs give the policy the grammar predicts, and str round-trips."""
+    spec, expected = case
+    assert reference_parse(spec) == expected  # The reference agrees with itself.
+    policy = get_policy(spec)
+    assert dtypes_of(policy) == expected
+    assert get_policy(str(policy)) == policy
+
+
+@st.composite
+def mutated_specs(draw):
+    """A valid spec with one character inserted, deleted or replaced: near misses."""
+    spec, _ = draw(valid_specs())
+    i = draw(st.integers(0, len(spec)))
+    char = draw(st.sampled_from(list(",= xpc_f1=\u00a0") + [""]))
+    end = draw(st.integers(i, min(len(spec), i + 1)))
+    return spec[:i] + char + spec[end:]
+
+
+_grammar_alphabet = st.text(alphabet=",= \tpcoaramsutfbl16248x_h", max_size=30)
+
+
+@_PROPS
+@given(st.one_of(st.text(max_size=30), _grammar_alphabet, mutated_specs()))
+def test_property_any_text_parses_as_reference_or_value_error(spec):
+    """Any text either parses exactly as the reference says or raises ValueError
+    (never another exception) with a message listing what is accepted."""
+    expected = reference_parse(spec)
+    if expected is not None:
+        assert dtypes_of(get_policy(spec)) == expected
+        return
+    with pytest.raises(ValueError) as info:
+        get_policy(spec)
+    found = words(str(info.value))
+    assert set(ALL_KEY_NAMES) <= found or set(ALL_DTYPE_NAMES) <= found, str(info.value)
+
+
+@_PROPS
+@given(st.tuples(*[st.sampled_from(FLOATS)] * 3), st.data())
+def test_property_str_round_trip_any_spelling(dtypes, data):
+    """For any dtypes and any spelling of them, str() parses back to an equal policy."""
+    spellings = [data.draw(st.sampled_from(SPELLINGS[d])) for d in dtypes]
+    policy = Policy(*spellings)
+    assert dtypes_of(policy) == dtypes
+    assert get_policy(str(policy)) == policy
+    assert reference_parse(str(policy)) == dtypes
