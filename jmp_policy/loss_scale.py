@@ -1,7 +1,7 @@
 """Loss scales as functional pytree state, and finiteness helpers.
 
 A superset of jmp 0.0.4's ``loss_scale.py``. Every loss scale is a pytree built
-with `jax.tree_util.register_dataclass`: hyperparameters are static fields, the
+from its dataclass fields: hyperparameters are static fields, the
 scale and its counters are array leaves, so the state survives `jax.jit`,
 `jax.tree.map`, `lax.scan` and checkpointing unchanged.
 
@@ -26,11 +26,16 @@ T = TypeVar("T")
 
 # Smallest normal float32: the dynamic scale never goes below it (no subnormals).
 _TINY = float(np.finfo(np.float32).tiny)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
-def _is_float_array(x: Any) -> bool:
+def _is_inexact(x: Any) -> bool:
+    # Python floats count (as in jmp): `scale(1.0)` must not silently skip the
+    # loss. Complex values count too; ints and bools are never scaled.
+    if isinstance(x, (float, complex)):
+        return True
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-        x.dtype, jnp.floating
+        x.dtype, jnp.inexact
     )
 
 
@@ -43,9 +48,9 @@ def _scale_tree(tree: T, multiply: bool, loss_scale: jax.Array) -> T:
     # In float32 (or wider): a half value times 2**15 would overflow, and half
     # gradients divided back in half precision would be rounded twice.
     def apply(x):
-        if not _is_float_array(x):
+        if not _is_inexact(x):
             return x
-        x = _at_least_float32(x)
+        x = _at_least_float32(jnp.asarray(x))
         s = loss_scale.astype(x.dtype)
         return x * s if multiply else x / s
 
@@ -53,13 +58,14 @@ def _scale_tree(tree: T, multiply: bool, loss_scale: jax.Array) -> T:
 
 
 def _is_array_like(x: Any) -> bool:
-    # Unflattening passes tracers, `ShapedArray`s or `object()` sentinels through
-    # `__init__`; only real user values are converted and checked.
     return isinstance(x, (numbers.Number, np.ndarray, np.generic, jax.Array))
 
 
-def _is_concrete(x: Any) -> bool:
-    return not isinstance(x, jax.core.Tracer)
+def _is_concrete_scalar(x: Any) -> bool:
+    # A value built inside `jax.jit` (a tracer) cannot be checked.
+    return (
+        _is_array_like(x) and not isinstance(x, jax.core.Tracer) and np.ndim(x) == 0
+    )
 
 
 def _dtype_of(x: Any) -> np.dtype:
@@ -74,12 +80,12 @@ def _as_float32_scale(x: Any, name: str, warn_if_int: bool) -> Any:
     if warn_if_int and not jnp.issubdtype(dtype, jnp.floating):
         # jmp's warning, kept for compatibility; the value is converted and works.
         warnings.warn(f"Expected floating type for {name}, got {dtype}")
+    if _is_concrete_scalar(x):
+        value = float(x)
+        if not (math.isfinite(value) and 0 < value <= _F32_MAX):
+            raise ValueError(f"{name} must be a positive finite float32 number, got {x!r}.")
     if dtype != np.float32:
         x = jnp.asarray(x, jnp.float32)
-    if _is_concrete(x) and np.ndim(x) == 0:
-        value = float(x)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a positive finite number, got {value}.")
     return x
 
 
@@ -95,6 +101,37 @@ def _static_float(x: Any, name: str, warn_if_int: bool = False) -> float:
         return float(x)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a number, got {x!r}.") from None
+
+
+def _register_state(*data_fields: str):
+    """Registers a frozen dataclass as a pytree: `data_fields` are leaves, the
+    other fields static.
+
+    Like `jax.tree_util.register_dataclass`, the field lists come from the
+    class itself, so no field can be dropped (jmp lost `min_loss_scale`). Unlike
+    it, unflattening does not call `__init__`: `jax.tree.map(lambda x: 0, s)`
+    or `tree.map(np.zeros_like, s)` must rebuild the tree as is, not validate
+    and convert its leaves as a user's call does.
+    """
+
+    def register(cls):
+        names = [f.name for f in dataclasses.fields(cls)]
+        meta_fields = [n for n in names if n not in data_fields]
+
+        def flatten_with_keys(obj):
+            children = [(jax.tree_util.GetAttrKey(n), getattr(obj, n)) for n in data_fields]
+            return children, tuple(getattr(obj, n) for n in meta_fields)
+
+        def unflatten(meta, children):
+            obj = object.__new__(cls)
+            for name, value in (*zip(meta_fields, meta), *zip(data_fields, children)):
+                object.__setattr__(obj, name, value)
+            return obj
+
+        jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten)
+        return cls
+
+    return register
 
 
 class LossScale:
@@ -117,7 +154,7 @@ class LossScale:
         raise NotImplementedError
 
 
-@jax.tree_util.register_dataclass
+@_register_state()
 @dataclasses.dataclass(frozen=True)
 class NoOpLossScale(LossScale):
     """A loss scale that does nothing: for float32 and bfloat16 training.
@@ -142,9 +179,7 @@ class NoOpLossScale(LossScale):
         return self
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=[], meta_fields=["loss_scale"]
-)
+@_register_state()
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale(LossScale):
     """Scales and unscales by a fixed constant (a compile-time constant: no leaves).
@@ -182,11 +217,7 @@ class StaticLossScale(LossScale):
         return self
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["loss_scale", "counter", "overflows"],
-    meta_fields=["period", "factor", "min_loss_scale", "max_loss_scale", "hysteresis"],
-)
+@_register_state("loss_scale", "counter", "overflows")
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale(LossScale):
     """A loss scale that grows while gradients are finite and backs off on overflow.
@@ -220,6 +251,8 @@ class DynamicLossScale(LossScale):
     Raises:
       ValueError: for a non-positive or non-finite scale, `period < 1`,
         `factor <= 1`, `hysteresis < 1` or bounds that do not hold the scale.
+        The scale's value is checked when given as a Python or NumPy number;
+        a `jax.Array` is taken as is (reading it would wait for the device).
 
     >>> import jax.numpy as jnp
     >>> import jmp_policy as jmp
@@ -244,6 +277,7 @@ class DynamicLossScale(LossScale):
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
+        given_scale = self.loss_scale
         set_("loss_scale", _as_float32_scale(self.loss_scale, "loss_scale", True))
         if _is_array_like(self.counter) and _dtype_of(self.counter) != np.int32:
             set_("counter", jnp.asarray(self.counter, jnp.int32))
@@ -270,11 +304,11 @@ class DynamicLossScale(LossScale):
             )
         if self.hysteresis > 1 and self.overflows is None:
             set_("overflows", np.zeros([], np.int32))
-        scale = self.loss_scale
-        if _is_array_like(scale) and _is_concrete(scale) and np.ndim(scale) == 0:
-            if not lo <= float(scale) <= hi:
+        if _is_concrete_scalar(given_scale):
+            scale = float(given_scale)
+            if not lo <= scale <= hi:
                 raise ValueError(
-                    f"loss_scale={float(scale)} is outside [min_loss_scale, "
+                    f"loss_scale={scale} is outside [min_loss_scale, "
                     f"max_loss_scale] = [{lo}, {hi}]."
                 )
 
@@ -299,7 +333,7 @@ class DynamicLossScale(LossScale):
             back_off, overflows = ~grads_finite, None
         else:
             seen = self.overflows + (~grads_finite).astype(jnp.int32)
-            back_off = seen >= self.hysteresis
+            back_off = ~grads_finite & (seen >= self.hysteresis)
             overflows = jnp.where(back_off | grow, 0, seen).astype(jnp.int32)
 
         new_scale = jnp.where(grow, grown, jnp.where(back_off, backed_off, scale))
@@ -339,7 +373,7 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     >>> bool(jmp.all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
     False
     """
-    leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if _is_float_array(x)]
+    leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if _is_inexact(x)]
     finite = jnp.stack(leaves).all() if leaves else jnp.array(True)
     if axis_name is not None:
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
