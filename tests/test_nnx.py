@@ -1,0 +1,417 @@
+"""Tests of `jmp_policy.nnx`: policies over Flax NNX modules.
+
+Grouped like the module: the dtypes in the lowered program of a whole
+`nnx.jit` train step (forward, backward and `nnx.Optimizer.update`), the dtypes
+of parameters, gradients, outputs and batch statistics after training, rules
+(classes, paths, precedence, inheritance, the norm default) and their errors,
+training in float16 with dynamic loss scaling, the loss scale of an
+`nnx.Optimizer`, copies and the jit cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jmp_policy as jmp
+import jmp_policy.nnx as jnnx
+
+BF16 = np.dtype(jnp.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+
+VOCAB, DIM, HEADS, SEQ, BATCH = 32, 16, 2, 8, 4
+
+
+class Head(nnx.Linear):
+    """The logits layer: a subclass, so class rules can name it alone."""
+
+
+class Net(nnx.Module):
+    """A small Transformer-like block with every layer kind the policy must handle.
+
+    Attention has dropout, so Flax takes its einsum path: `jax.nn.
+    dot_product_attention` (its path without dropout) rejects half inputs
+    under strict dtype promotion.
+    """
+
+    def __init__(self, rngs: nnx.Rngs, attention_dropout: float = 0.1):
+        self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
+        self.conv = nnx.Conv(DIM, DIM, kernel_size=(3,), rngs=rngs)
+        self.norm1 = nnx.LayerNorm(DIM, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(
+            HEADS,
+            DIM,
+            decode=False,
+            dropout_rate=attention_dropout,
+            deterministic=False,
+            rngs=rngs,
+        )
+        self.norm2 = nnx.LayerNorm(DIM, rngs=rngs)
+        self.mlp_in = nnx.Linear(DIM, 2 * DIM, rngs=rngs)
+        self.bn = nnx.BatchNorm(2 * DIM, use_running_average=False, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+        self.mlp_out = nnx.Linear(2 * DIM, DIM, rngs=rngs)
+        self.head = Head(DIM, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+        h = self.embed(tokens)
+        h = h + self.conv(h)
+        h = h + self.attn(self.norm1(h))
+        z = nnx.relu(self.bn(self.mlp_in(self.norm2(h))))
+        h = h + self.mlp_out(self.dropout(z))
+        return self.head(h)
+
+
+def make_net(attention_dropout: float = 0.1) -> Net:
+    return Net(nnx.Rngs(0, dropout=1), attention_dropout)
+
+
+TOKENS = jax.random.randint(jax.random.key(1), (BATCH, SEQ), 0, VOCAB)
+TARGETS = jax.random.randint(jax.random.key(2), (BATCH, SEQ), 0, VOCAB)
+
+
+def train_step(model, optimizer, tokens, targets):
+    loss_scale = jnnx.get_loss_scale(optimizer)
+
+    def loss_fn(model):
+        logits = model(tokens)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        return loss_scale.scale(loss), (loss, logits)
+
+    grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+    (_, (loss, logits)), grads = grad_fn(model)
+    optimizer.update(model, grads)
+    return loss, logits, grads, nnx.state(model, nnx.Param), nnx.state(model, nnx.BatchStat)
+
+
+def make_optimizer(model, loss_scale=None, learning_rate=0.05):
+    # SGD: optax's Adam bias correction (`decay**count`) fails under strict promotion.
+    inner = optax.sgd(learning_rate, momentum=0.9)
+    tx = jmp.loss_scaled(inner, loss_scale or jmp.NoOpLossScale())
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+_OP = re.compile(
+    r"stablehlo\.(dot_general|convolution)[^\n]*:\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)"
+)
+_ALGORITHM = re.compile(r"algorithm = <lhs_precision_type = (\w+), rhs_precision_type = (\w+)")
+
+
+def _element_type(tensor_type: str) -> str:
+    return tensor_type[len("tensor<") : -1].rsplit("x", 1)[-1]
+
+
+def matmul_operand_dtypes(model, optimizer) -> dict[str, collections.Counter]:
+    """Counts (lhs, rhs) dtypes of every dot_general and convolution of the step.
+
+    A dot with an explicit algorithm counts as (lhs, rhs, "algorithm lhs x rhs").
+    """
+    text = nnx.jit(train_step).lower(model, optimizer, TOKENS, TARGETS).as_text()
+    counts = {"dot_general": collections.Counter(), "convolution": collections.Counter()}
+    for line in text.splitlines():
+        if match := _OP.search(line):
+            op, lhs, rhs = match.groups()
+            key = (_element_type(lhs), _element_type(rhs))
+            if algorithm := _ALGORITHM.search(line):
+                key += ("algorithm {} x {}".format(*algorithm.groups()),)
+            counts[op][key] += 1
+    for op, counter in counts.items():  # No op escaped the pattern.
+        assert sum(counter.values()) == text.count(f"stablehlo.{op}"), op
+    return counts
+
+
+# Forward: attention's query, key, value and output projections and its two
+# einsums, plus mlp_in, mlp_out and head: 9 dots. Backward: two each (the
+# input's and the weight's gradient): 18. The conv: 1 forward, 2 backward.
+N_DOTS, N_ATTENTION_DOTS, N_HEAD_DOTS, N_CONVS = 27, 18, 3, 3
+
+
+# --- The lowered train step ------------------------------------------------
+
+
+def test_train_step_matmuls_all_take_compute_dtype():
+    model = jnnx.PolicyModule(make_net(), "mixed_bfloat16")
+    counts = matmul_operand_dtypes(model, make_optimizer(model))
+    assert counts["dot_general"] == {("bf16", "bf16"): N_DOTS}
+    assert counts["convolution"] == {("bf16", "bf16"): N_CONVS}
+
+
+def test_train_step_keeps_params_grads_stats_in_float32():
+    model = jnnx.PolicyModule(make_net(), "mixed_bfloat16")
+    optimizer = make_optimizer(model)
+    # Dtypes are static: the step's abstract evaluation shows them without a compile.
+    loss, logits, grads, params, batch_stats = nnx.jit(train_step).eval_shape(
+        model, optimizer, TOKENS, TARGETS
+    )
+    assert loss.dtype == F32
+    assert logits.dtype == F32  # the output dtype
+    assert {x.dtype for x in jax.tree.leaves(grads)} == {F32}
+    assert {x.dtype for x in jax.tree.leaves(params)} == {F32}  # after the update
+    assert {x.dtype for x in jax.tree.leaves(batch_stats)} == {F32}
+    net = model.module
+    assert net.mlp_in.dtype == net.attn.query.dtype == net.embed.dtype == BF16
+    assert net.conv.dtype == net.head.dtype == BF16
+    assert net.norm1.dtype == net.bn.dtype == F32  # the norm default
+    assert net.mlp_in.param_dtype == net.bn.param_dtype == F32
+
+
+@pytest.mark.parametrize("rules", [{"head": "f32"}, {Head: "f32"}], ids=["path", "class"])
+def test_rule_keeps_exactly_the_head_in_float32(rules):
+    model = jnnx.PolicyModule(make_net(), "mixed_bfloat16", rules=rules)
+    counts = matmul_operand_dtypes(model, make_optimizer(model))
+    assert counts["dot_general"] == {
+        ("bf16", "bf16"): N_DOTS - N_HEAD_DOTS,
+        ("f32", "f32"): N_HEAD_DOTS,
+    }
+    assert model.module.head.dtype == F32 and model.module.mlp_out.dtype == BF16
+
+
+def test_class_rule_is_inherited_and_next_layers_stay_half():
+    # Attention's output is float32 here, so the residual sum is float32: only
+    # standard promotion allows that sum. The layers after it cast it back.
+    model = jnnx.PolicyModule(
+        make_net(), "mixed_bfloat16", rules={nnx.MultiHeadAttention: "f32"}
+    )
+    with jax.numpy_dtype_promotion("standard"):
+        counts = matmul_operand_dtypes(model, make_optimizer(model))
+    assert counts["dot_general"] == {
+        ("f32", "f32"): N_ATTENTION_DOTS,
+        ("bf16", "bf16"): N_DOTS - N_ATTENTION_DOTS,
+    }
+    assert counts["convolution"] == {("bf16", "bf16"): N_CONVS}
+    attn = model.module.attn
+    assert attn.dtype == attn.query.dtype == attn.out.dtype == F32  # inherited
+    assert model.module.mlp_in.dtype == BF16
+
+
+def test_attention_without_dropout_computes_in_half_too():
+    # Without attention dropout Flax calls `jax.nn.dot_product_attention`, which
+    # rejects half inputs under strict promotion (`promote_types(bf16, f32)`).
+    # Under standard promotion its dots name a bf16 x bf16 algorithm (float32
+    # accumulation); two backward ones take the float32 logits' gradient.
+    model = jnnx.PolicyModule(make_net(attention_dropout=0.0), "mixed_bfloat16")
+    with jax.numpy_dtype_promotion("standard"):
+        counts = matmul_operand_dtypes(model, make_optimizer(model))
+    half_algorithm = "algorithm bf16 x bf16"
+    assert counts["dot_general"] == {
+        ("bf16", "bf16"): N_DOTS - 3,
+        ("bf16", "bf16", half_algorithm): 1,  # logits = q k
+        ("f32", "bf16", half_algorithm): 2,  # d logits k, d logits q
+    }
+
+
+# --- Float16 with dynamic loss scaling -------------------------------------
+
+
+def test_float16_with_dynamic_loss_scale_trains():
+    model = jnnx.PolicyModule(make_net(), "mixed_float16")
+    # 2**24 overflows float16 gradients: the first steps are skipped and the
+    # scale backs off until it fits.
+    optimizer = make_optimizer(model, jmp.DynamicLossScale(2.0**24))
+    step = nnx.jit(train_step)
+    losses = []
+    for _ in range(12):
+        loss, logits, grads, _, _ = step(model, optimizer, TOKENS, TARGETS)
+        losses.append(float(loss))
+
+    state = optimizer.opt_state
+    loss_scale = jnnx.get_loss_scale(optimizer)
+    assert isinstance(loss_scale, jmp.DynamicLossScale)
+    assert isinstance(loss_scale.loss_scale, jax.Array)
+    assert loss_scale.loss_scale.dtype == F32
+    skipped = int(state.total_notfinite[...])
+    assert 0 < skipped < 12
+    # Each skipped step halved the scale (no growth within `period` steps).
+    assert float(loss_scale.loss_scale) * 2.0**skipped == 2.0**24
+    assert losses[-1] < losses[0] - 0.5
+    assert all(np.isfinite(losses))
+    assert model.module.mlp_in.dtype == F16
+    assert logits.dtype == F32 and {x.dtype for x in jax.tree.leaves(grads)} == {F32}
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert {x.dtype for x in params} == {F32}
+    assert all(np.isfinite(x).all() for x in params)
+    bn = model.module.bn
+    assert bn.mean.dtype == bn.var.dtype == F32
+    assert not np.allclose(bn.mean[...], 0.0)  # the statistics were updated
+
+
+def test_get_loss_scale_of_nnx_optimizer():
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    tx = optax.chain(optax.clip(1.0), jmp.loss_scaled(optax.sgd(0.1), jmp.DynamicLossScale(8.0)))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    # The core function finds it too (today with nnx.Optimizer's OptState
+    # variables as its leaves, which still scale and convert).
+    core = jmp.get_loss_scale(optimizer.opt_state)
+    assert float(core.loss_scale) == 8.0 and float(core.scale(jnp.float32(2.0))) == 16.0
+    for found in (jnnx.get_loss_scale(optimizer), jnnx.get_loss_scale(optimizer.opt_state)):
+        assert isinstance(found, jmp.DynamicLossScale)
+        assert isinstance(found.loss_scale, jax.Array) and float(found.loss_scale) == 8.0
+        assert int(found.counter) == 0
+    with pytest.raises(ValueError, match="exactly one LossScaledState"):
+        jnnx.get_loss_scale(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+
+
+# --- Rules -------------------------------------------------------------------
+
+
+class Inner(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(2, 2, rngs=rngs)
+        self.embed = nnx.Embed(2, 2, rngs=rngs)
+        self.norm = nnx.LayerNorm(2, rngs=rngs)
+
+
+class Outer(nnx.Module):
+    def __init__(self, rngs):
+        self.first = Inner(rngs)
+        self.second = Inner(rngs)
+        self.layers = nnx.List([nnx.Linear(2, 2, rngs=rngs), Head(2, 2, rngs=rngs)])
+
+
+def _dtypes(model) -> dict[str, np.dtype]:
+    return {
+        "/".join(map(str, path)): np.dtype(module.dtype)
+        for path, module in nnx.iter_modules(model)
+        if getattr(module, "dtype", None) is not None
+    }
+
+
+def test_rule_precedence_and_inheritance():
+    model = jnnx.with_policy(
+        Outer(nnx.Rngs(0)),
+        "mixed_bfloat16",
+        rules={
+            nnx.Linear: "f16",  # every Linear, Head included...
+            Head: "f32",  # ...but the nearer class in Head's MRO wins
+            "second": "f16",  # a path: children without a rule inherit it
+            "second/dense": "f32",  # more literal characters win...
+            "*dense": "bf16",  # ...and any path beats any class
+            "first/dens?": "f32",  # a tie (10 literal characters each):
+            "first/?ense": "f16",  # the rule listed first wins
+        },
+    )
+    assert _dtypes(model) == {
+        "first/dense": F32,
+        "first/embed": BF16,  # the policy
+        "first/norm": F32,  # the norm default
+        "second/dense": F32,
+        "second/embed": F16,  # inherited from "second"
+        "second/norm": F32,  # inherited, computing in at least float32
+        "layers/0": F16,
+        "layers/1": F32,
+    }
+    assert model.second.norm.param_dtype == F16  # its parent's param dtype
+
+
+def test_rule_naming_a_norm_overrides_the_default():
+    model = jnnx.with_policy(
+        Outer(nnx.Rngs(0)), "mixed_bfloat16", rules={"first/norm": "mixed_bfloat16"}
+    )
+    assert model.first.norm.dtype == BF16 and model.second.norm.dtype == F32
+    # Flax's norms take half inputs only under standard promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        assert model.first.norm(jnp.ones((1, 2), BF16)).dtype == BF16
+    assert model.second.norm(jnp.ones((1, 2), BF16)).dtype == F32
+
+
+def test_rule_param_dtype_casts_that_modules_params():
+    model = jnnx.with_policy(Outer(nnx.Rngs(0)), "mixed_bfloat16", rules={"layers/1": "bf16"})
+    assert model.layers[1].kernel.dtype == model.layers[1].bias.dtype == BF16
+    assert model.layers[1].param_dtype == BF16
+    others = nnx.state(model.first, nnx.Param), nnx.state(model.layers[0], nnx.Param)
+    assert {x.dtype for x in jax.tree.leaves(others)} == {F32}
+
+
+@pytest.mark.parametrize(
+    "rules, error, match",
+    [
+        ([(nnx.Linear, "f32")], TypeError, "rules must be a mapping"),
+        ({nn.Dense: "f32"}, TypeError, "flax.nnx.Module subclass"),
+        ({3: "f32"}, TypeError, "path pattern"),
+        ({"": "f32"}, TypeError, "non-empty"),
+        ({nnx.Linear: 3}, TypeError, "Policy or a policy spec"),
+        ({nnx.Linear: "f8"}, ValueError, "Unknown dtype"),
+        ({"frist/*": "f32"}, ValueError, "matches no submodule"),
+    ],
+)
+def test_bad_rules_raise(rules, error, match):
+    with pytest.raises(error, match=match):
+        jnnx.with_policy(Outer(nnx.Rngs(0)), "mixed_bfloat16", rules=rules)
+    with pytest.raises(error, match=match):
+        jnnx.PolicyModule(Outer(nnx.Rngs(0)), "mixed_bfloat16", rules=rules)
+
+
+@pytest.mark.parametrize("module", [nn.Dense(2), lambda x: x, None])
+def test_with_policy_rejects_non_nnx_modules(module):
+    with pytest.raises(TypeError, match="expects a flax.nnx.Module"):
+        jnnx.with_policy(module, "mixed_bfloat16")
+
+
+def test_bad_policy_raises():
+    with pytest.raises(ValueError, match="Unknown dtype"):
+        jnnx.with_policy(Outer(nnx.Rngs(0)), "c=f8")
+
+
+# --- Copies, boundaries and the jit cache ------------------------------------
+
+
+def test_original_module_is_left_unchanged():
+    original = nnx.Linear(2, 3, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    kernel = original.kernel[...]
+    mixed = jnnx.with_policy(original, "mixed_bfloat16")
+    assert type(mixed) is nnx.Linear and mixed is not original
+    assert original.dtype is None and original.param_dtype == jnp.bfloat16
+    assert original.kernel.dtype == BF16 and mixed.kernel.dtype == F32
+    np.testing.assert_array_equal(mixed.kernel[...], kernel.astype(F32))
+    # Same state paths (checkpoints fit), but separate variables.
+    assert nnx.state(mixed).flat_state().paths == nnx.state(original).flat_state().paths
+    mixed.bias[...] = jnp.ones(3, F32)
+    assert (original.bias[...] == 0).all()
+
+
+def test_policy_module_casts_at_its_boundary():
+    class Scale(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.full((3,), 2.0))
+            self.dtype = None
+
+        def __call__(self, x, tokens, *, bias):
+            w = self.w[...].astype(self.dtype)
+            return {"y": x * w + bias, "tokens": tokens, "x_dtype": x.dtype}
+
+    model = jnnx.PolicyModule(Scale(), "p=f32,c=bf16,o=f16")
+
+    @nnx.jit
+    def call(model, x, tokens, bias):
+        out = model(x, tokens, bias=bias)
+        return out["y"], out["tokens"]
+
+    y, tokens = call(model, jnp.ones(3), jnp.arange(3), jnp.zeros(3))
+    assert y.dtype == F16 and tokens.dtype == jnp.int32
+    assert model.module(jnp.ones(3, BF16), 0, bias=jnp.zeros(3, BF16))["x_dtype"] == BF16
+    assert model.module.w.dtype == F32
+    assert nnx.state(model, nnx.Param).flat_state().paths == (("module", "w"),)
+
+
+def test_jitted_step_retraces_for_each_policy():
+    original = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    models = {
+        None: original,
+        "mixed_bfloat16": jnnx.with_policy(original, "mixed_bfloat16"),
+        "f16": jnnx.PolicyModule(original, "f16"),
+    }
+    expected = {None: F32, "mixed_bfloat16": BF16, "f16": F16}
+    forward = nnx.jit(lambda model, x: model(x))
+    x = jnp.ones((1, 2))
+    for order in (list(models), list(reversed(models))):
+        for name in order:
+            assert forward(models[name], x).dtype == expected[name], name
