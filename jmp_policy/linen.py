@@ -10,12 +10,14 @@ promote the next matmul back to float32 (a silent loss of Tensor Cores).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import fnmatch
 import functools
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
+import jax
 
 from jmp_policy.policy import Policy, get_policy
 
@@ -25,6 +27,10 @@ Rules = Mapping[type | str, PolicyLike]
 # The policy of the module being called; children without a rule inherit it.
 _ACTIVE_POLICY: contextvars.ContextVar[Policy] = contextvars.ContextVar("policy")
 _LINEN_ENTRIES = ("apply", "init", "init_with_output")
+# Flax's norms lift half inputs to float32 statistics with `jnp.promote_types`,
+# which strict dtype promotion rejects; they are written for standard promotion
+# (equinox runs its norms the same way).
+_FLAX_NORMS = (nn.BatchNorm, nn.GroupNorm, nn.InstanceNorm, nn.LayerNorm, nn.RMSNorm)
 
 
 def _compile_rules(rules: Rules | None) -> list[tuple[type | str, Policy]]:
@@ -90,8 +96,14 @@ def _make_interceptor(rules) -> Callable:
         # duration of this call only, and put the user's values back after.
         for name, value in overrides.items():
             object.__setattr__(module, name, value)
+        promotion = (
+            jax.numpy_dtype_promotion("standard")
+            if isinstance(module, _FLAX_NORMS)
+            else contextlib.nullcontext()
+        )
         try:
-            return next_fun(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
+            with promotion:
+                return next_fun(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
         finally:
             for name, value in saved.items():
                 object.__setattr__(module, name, value)

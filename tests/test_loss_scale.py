@@ -539,3 +539,16 @@ def test_bad_dynamic_arguments(kwargs, name):
 def test_bad_static_scale(value):
     with pytest.raises(ValueError, match="loss_scale"):
         jmp.StaticLossScale(value)
+
+
+def test_unflatten_does_not_validate_or_convert_leaves():
+    """tree.map to zeros or to axis specs rebuilds the tree as is (no ValueError for
+    a zero scale, no float conversion of ints): unflattening never calls __init__."""
+    ls = jmp.DynamicLossScale(2.0**15, hysteresis=2)
+    zeros = jax.tree.map(np.zeros_like, ls)
+    assert float(zeros.loss_scale) == 0.0 and zeros.min_loss_scale == 1.0
+    axes = jax.tree.map(lambda _: 0, ls)
+    assert (axes.loss_scale, axes.counter, axes.overflows) == (0, 0, 0)
+    batched = jax.tree.map(lambda x: jnp.stack([x, x]), ls)
+    adjusted = jax.vmap(lambda s: s.adjust(jnp.bool_(False)), in_axes=(axes,))(batched)
+    assert adjusted.loss_scale.shape == (2,) and adjusted.hysteresis == 2
