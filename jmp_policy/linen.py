@@ -85,8 +85,8 @@ def _attribute_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
 
 def _make_interceptor(rules) -> Callable:
     def interceptor(next_fun, args, kwargs, context):
-        if context.method_name == "setup":
-            return next_fun(*args, **kwargs)
+        # `setup` included: parameters created there (nn.Embed's) must take the
+        # module's param dtype, also where a rule changes it.
         module = context.module
         policy = _module_policy(module, rules, _ACTIVE_POLICY.get())
         overrides = _attribute_overrides(module, policy)
@@ -140,7 +140,9 @@ def with_policy(fn: Callable, policy: PolicyLike, *, rules: Rules | None = None)
 
     Normalisation layers need no rule: Flax's norms compute their statistics
     in float32 (`force_float32_reductions`) and emit the compute dtype, so the
-    next matmul stays in half precision. Attention keeps Flax's own choice
+    next matmul stays in half precision; they run under standard dtype
+    promotion, which that float32 lift needs, also where the caller set
+    `jax_numpy_dtype_promotion="strict"`. Attention keeps Flax's own choice
     (softmax in the compute dtype): Flax's `force_fp32_for_softmax=True` would
     also turn the weights-times-values matmul into float32.
 

@@ -1,0 +1,1032 @@
+"""Tests of `jmp_policy.linen.with_policy` on real Flax linen models.
+
+Grouped by concept: the contractions (`dot_general`, convolution) of whole
+lowered train steps, the dtypes of parameters, gradients, outputs and
+`batch_stats`, the linen entry points (`init`, `init_with_output`, `method=`,
+`rngs`, `mutable`), rules and their specificity, lifted transforms, the jit
+cache, plain functions, the user's module attributes, and training numerics.
+
+Everything runs under strict dtype promotion (see `conftest.py`), so a silent
+float32 upcast inside a model is an error rather than a slow matmul. Dtype
+checks use `jax.eval_shape` and `.lower()` where they can: nothing is compiled
+that a shape or a program text can answer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jmp_policy import Policy, with_policy
+
+BF16 = np.dtype(jnp.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+MLIR_NAMES = {"bf16": BF16, "f16": F16, "f32": F32}
+
+VOCAB = 24  # No other dimension of the models below is 24: it marks the head.
+FEATURES = 16
+SEQ = 8
+BATCH = 2
+SEEN: dict[str, Any] = {}  # What modules saw while traced.
+
+
+# --------------------------------------------------------------------------
+# Reading contractions out of lowered StableHLO.
+
+
+class Contraction(NamedTuple):
+    """A `dot_general` or `convolution` of a lowered program: op and types."""
+
+    op: str
+    lhs: str  # e.g. "2x8x16xbf16"
+    rhs: str
+    result: str
+
+    @property
+    def operand_dtypes(self) -> tuple[np.dtype, np.dtype]:
+        return _element_dtype(self.lhs), _element_dtype(self.rhs)
+
+    @property
+    def result_dtype(self) -> np.dtype:
+        return _element_dtype(self.result)
+
+    def has_dim(self, size: int) -> bool:
+        return any(str(size) in t.split("x")[:-1] for t in (self.lhs, self.rhs, self.result))
+
+
+_CONTRACTION_OP = re.compile(r"stablehlo\.(dot_general|dot|convolution)\b")
+# MLIR prints each op on one line, its signature last: `: (lhs, rhs) -> result`.
+_SIGNATURE = re.compile(
+    r":\s*\(tensor<([^>]+)>,\s*tensor<([^>]+)>\)\s*->\s*tensor<([^>]+)>\s*$"
+)
+
+
+def _element_dtype(tensor_type: str) -> np.dtype:
+    name = tensor_type.split("x")[-1]
+    if name not in MLIR_NAMES:
+        raise ValueError(f"unexpected element type {name!r} in tensor<{tensor_type}>")
+    return MLIR_NAMES[name]
+
+
+def contractions(hlo_text: str) -> list[Contraction]:
+    """Every `dot_general`/`dot`/`convolution` of a StableHLO module, in order.
+
+    Raises if a contraction's line cannot be read, so none is silently missed.
+    """
+    found = []
+    for line in hlo_text.splitlines():
+        op = _CONTRACTION_OP.search(line)
+        if op is None:
+            continue
+        signature = _SIGNATURE.search(line)
+        if signature is None:
+            raise ValueError(f"cannot read the operand types of: {line.strip()}")
+        found.append(Contraction(op.group(1), *signature.groups()))
+    return found
+
+
+def compute_dtypes(found: list[Contraction]) -> list[np.dtype]:
+    """The operand dtype of each contraction; both operands must agree."""
+    dtypes = []
+    for c in found:
+        lhs, rhs = c.operand_dtypes
+        assert lhs == rhs, f"mixed operands in {c}"
+        dtypes.append(lhs)
+    return dtypes
+
+
+def test_contractions_reads_dot_general_and_convolution_lines():
+    text = "\n".join(
+        [
+            "    %3 = stablehlo.dot_general %1, %2, contracting_dims = [2] x [0], precision ="
+            " [DEFAULT, DEFAULT] : (tensor<2x8x16xbf16>, tensor<16x64xbf16>) ->"
+            " tensor<2x8x64xbf16>",
+            "    %4 = stablehlo.add %3, %3 : tensor<2x8x64xbf16>",
+            "    %5 = stablehlo.convolution(%a, %b) dim_numbers = [b, 0, 1, f]x[0, 1, i, o]->"
+            "[b, 0, 1, f], window = {stride = [1, 1]} {batch_group_count = 1 : i64,"
+            " feature_group_count = 1 : i64} : (tensor<4x8x8x3xf32>, tensor<3x3x3x8xf32>)"
+            " -> tensor<4x8x8x8xf32>",
+            "    %6 = stablehlo.dot_general %x, %y, contracting_dims = [0] x [0] :"
+            " (tensor<24xf16>, tensor<24xf16>) -> tensor<f32>",
+        ]
+    )
+    found = contractions(text)
+    assert [c.op for c in found] == ["dot_general", "convolution", "dot_general"]
+    assert compute_dtypes(found) == [BF16, F32, F16]
+    assert found[2].result_dtype == F32
+    assert [c.has_dim(24) for c in found] == [False, False, True]
+    with pytest.raises(ValueError, match="cannot read"):
+        contractions("%1 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0]")
+
+
+# --------------------------------------------------------------------------
+# Models.
+
+
+class Block(nn.Module):
+    """A pre-norm Transformer block: LayerNorm, attention, LayerNorm, MLP, residuals."""
+
+    features: int = FEATURES
+    num_heads: int = 2
+    dropout_rate: float = 0.1
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32), dtype=bool)
+        h = nn.LayerNorm()(x)
+        h = nn.MultiHeadDotProductAttention(
+            num_heads=self.num_heads, dropout_rate=self.dropout_rate, deterministic=not train
+        )(h, mask=mask)
+        x = x + nn.Dropout(self.dropout_rate, deterministic=not train)(h)
+        h = nn.LayerNorm()(x)
+        h = nn.gelu(nn.Dense(4 * self.features)(h))
+        h = nn.Dense(self.features)(h)
+        return x + nn.Dropout(self.dropout_rate, deterministic=not train)(h)
+
+
+class Head(nn.Dense):
+    """The logits layer; its own class so that a class rule can single it out."""
+
+
+class LM(nn.Module):
+    """Token and position embeddings, one `Block`, a final LayerNorm and a `Head`."""
+
+    vocab_size: int = VOCAB
+    features: int = FEATURES
+    dropout_rate: float = 0.1
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = False):
+        positions = jnp.arange(tokens.shape[-1])
+        x = nn.Embed(self.vocab_size, self.features)(tokens)
+        x = x + nn.Embed(SEQ, self.features)(positions)
+        x = Block(self.features, dropout_rate=self.dropout_rate)(x, train)
+        x = nn.LayerNorm()(x)
+        return Head(self.vocab_size, name="head")(x)
+
+
+def _tokens(seed=0, shape=(BATCH, SEQ)):
+    return np.random.default_rng(seed).integers(0, VOCAB, shape, dtype=np.int32)
+
+
+def _dtypes(tree) -> set[np.dtype]:
+    return {np.dtype(x.dtype) for x in jax.tree.leaves(tree)}
+
+
+def materialize(shapes, seed: int = 0):
+    """Concrete variables shaped and typed like `shapes` (from `jax.eval_shape`).
+
+    Compiling Flax's random initialisers costs seconds on CPU; these tests need
+    plausible values (fan-in scaled kernels, unit scales and variances), not
+    Flax's. The dtypes are those `with_policy(model.init, ...)` chose.
+    """
+    rng = np.random.default_rng(seed)
+
+    def value(path, leaf):
+        name = path[-1].key
+        if name in ("kernel", "embedding"):
+            fan_in = leaf.shape[-1] if name == "embedding" else np.prod(leaf.shape[:-1])
+            x = rng.standard_normal(leaf.shape) / np.sqrt(fan_in)
+        elif name in ("scale", "var"):
+            x = np.ones(leaf.shape)
+        else:
+            x = np.zeros(leaf.shape)
+        return x.astype(leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(value, shapes)
+
+
+def make_train_step(apply, tx):
+    """A whole train step: value_and_grad through `apply`, then an optax update."""
+
+    def train_step(params, opt_state, tokens, targets, key):
+        def loss_fn(p):
+            logits = apply({"params": p}, tokens, train=True, rngs={"dropout": key})
+            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    return train_step
+
+
+# optax.adam's bias correction (`decay ** count`, float ** int32) fails under
+# strict promotion; SGD with momentum does not, and is enough here.
+TX = optax.sgd(0.1, momentum=0.9)
+
+
+def lowered_train_step(model, policy, rules=None) -> list[Contraction]:
+    """The contractions of `model`'s whole jitted train step under `policy`."""
+    tokens = _tokens()
+    init = with_policy(model.init, policy, rules=rules)
+    params = jax.eval_shape(init, jax.random.key(0), tokens)["params"]
+    opt_state = jax.eval_shape(TX.init, params)
+    step = make_train_step(with_policy(model.apply, policy, rules=rules), TX)
+    lowered = jax.jit(step).lower(params, opt_state, tokens, tokens, jax.random.key(1))
+    return contractions(lowered.as_text())
+
+
+# --------------------------------------------------------------------------
+# Every contraction of a whole train step, forward and backward.
+
+# Per Dense-like layer, one forward dot and two backward ones (input and weight
+# gradients); the LM has q, k, v, out, two MLP Dense and the head (7 x 3 = 21)
+# and two attention einsums, logits and weighted values (2 x 3 = 6).
+LM_DOTS = 27
+HEAD_DOTS = 3
+
+
+@pytest.mark.parametrize(("policy", "half"), [("mixed_bfloat16", BF16), ("mixed_float16", F16)])
+def test_train_step_contracts_only_in_half(policy, half):
+    found = lowered_train_step(LM(), policy)
+    assert len(found) == LM_DOTS
+    assert {c.op for c in found} == {"dot_general"}
+    assert compute_dtypes(found) == [half] * LM_DOTS
+
+
+def test_train_step_without_policy_contracts_in_float32():
+    # The baseline the test above must differ from.
+    found = lowered_train_step(LM(), "f32")
+    assert compute_dtypes(found) == [F32] * LM_DOTS
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [{"head": "f32"}, {Head: "f32"}, {"head": Policy(F32, F32, F32)}],
+    ids=["path", "class", "Policy-value"],
+)
+def test_float32_rule_on_head_makes_exactly_its_dots_float32(rules):
+    found = lowered_train_step(LM(), "mixed_bfloat16", rules)
+    assert len(found) == LM_DOTS
+    head = [c.has_dim(VOCAB) for c in found]
+    assert sum(head) == HEAD_DOTS
+    assert [c.operand_dtypes for c in found] == [
+        (F32, F32) if is_head else (BF16, BF16) for is_head in head
+    ]
+
+
+def test_float32_layernorm_rule_keeps_the_next_matmuls_in_half():
+    # A float32 LayerNorm emits float32; the modules after it still get half inputs.
+    found = lowered_train_step(LM(), "mixed_bfloat16", {nn.LayerNorm: "f32"})
+    assert compute_dtypes(found) == [BF16] * LM_DOTS
+
+    model = LM()
+    tokens = _tokens()
+    variables = jax.eval_shape(with_policy(model.init, "mixed_bfloat16"), jax.random.key(0), tokens)
+    apply = with_policy(model.apply, "mixed_bfloat16", rules={nn.LayerNorm: "f32"})
+    _, state = jax.eval_shape(
+        lambda v, t: apply(v, t, capture_intermediates=True), variables, tokens
+    )
+    out = jax.tree.map(lambda x: x.dtype, state["intermediates"])
+    assert out["LayerNorm_0"]["__call__"] == (F32,)
+    assert out["Block_0"]["LayerNorm_0"]["__call__"] == (F32,)
+    assert out["Block_0"]["LayerNorm_1"]["__call__"] == (F32,)
+    assert out["Block_0"]["Dense_0"]["__call__"] == (BF16,)
+    assert out["Block_0"]["MultiHeadDotProductAttention_0"]["__call__"] == (BF16,)
+    assert out["head"]["__call__"] == (BF16,)
+
+
+class Residual(nn.Module):
+    """A container doing its own arithmetic on its input: no dtype attribute."""
+
+    @nn.compact
+    def __call__(self, x):
+        SEEN["residual input"] = x.dtype
+        return x + nn.Dense(x.shape[-1])(x)
+
+
+def test_module_after_float32_layernorm_gets_compute_dtype_input():
+    # Without the cast of module inputs, the float32 LayerNorm output would
+    # meet the bf16 Dense output in `x + ...`: a silent float32 residual stream
+    # under standard promotion, an error under strict.
+    model = nn.Sequential([nn.LayerNorm(), Residual(), nn.Dense(4)])
+    x = jnp.ones((2, 8))
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)
+    apply = with_policy(model.apply, "mixed_bfloat16", rules={nn.LayerNorm: "f32"})
+    SEEN.clear()
+    _, state = jax.eval_shape(lambda v: apply(v, x, capture_intermediates=True), variables)
+    out = state["intermediates"]
+    assert SEEN["residual input"] == BF16
+    assert out["layers_0"]["__call__"][0].dtype == F32
+    assert out["layers_1"]["__call__"][0].dtype == BF16
+    found = contractions(jax.jit(apply).lower(variables, x).as_text())
+    assert compute_dtypes(found) == [BF16, BF16]
+
+
+def test_train_step_keeps_params_grads_and_optimizer_state_in_param_dtype():
+    model = LM()
+    tokens = _tokens()
+    init = with_policy(model.init, "mixed_bfloat16")
+    params = jax.eval_shape(init, jax.random.key(0), tokens)["params"]
+    opt_state = jax.eval_shape(TX.init, params)
+    step = make_train_step(with_policy(model.apply, "mixed_bfloat16"), TX)
+    new_params, new_opt_state, loss, grads = jax.eval_shape(
+        step, params, opt_state, tokens, tokens, jax.random.key(1)
+    )
+    assert _dtypes(params) == {F32}
+    assert _dtypes(new_params) == {F32}
+    assert _dtypes(grads) == {F32}
+    assert _dtypes(new_opt_state) == {F32}
+    assert loss.dtype == F32
+    assert jax.tree.structure(grads) == jax.tree.structure(params)
+
+
+def test_bf16_policy_gives_bf16_params_and_grads():
+    model = LM()
+    tokens = _tokens()
+    params = jax.eval_shape(with_policy(model.init, "bf16"), jax.random.key(0), tokens)["params"]
+    apply = with_policy(model.apply, "bf16")
+    grads = jax.eval_shape(
+        jax.grad(lambda p: apply({"params": p}, tokens).astype(F32).sum()), params
+    )
+    assert _dtypes(params) == {BF16}
+    assert _dtypes(grads) == {BF16}
+
+
+# --------------------------------------------------------------------------
+# Parameters, outputs and the linen entry points.
+
+
+class Scale(nn.Module):
+    """A custom module with no `dtype`/`param_dtype` attributes."""
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        return x * scale.astype(x.dtype)  # It casts its parameter itself.
+
+
+class ScaledMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(Scale()(nn.Dense(8)(x)))
+
+
+@pytest.mark.parametrize(
+    ("policy", "param"),
+    [("mixed_bfloat16", F32), ("mixed_float16", F32), ("bf16", BF16), ("f16", F16)],
+)
+@pytest.mark.parametrize("model", [LM(), ScaledMLP()], ids=["LM", "custom-module"])
+def test_init_creates_params_in_param_dtype(model, policy, param):
+    x = _tokens() if isinstance(model, LM) else jnp.ones((2, 3))
+    variables = jax.eval_shape(with_policy(model.init, policy), jax.random.key(0), x)
+    assert _dtypes(variables["params"]) == {param}
+
+
+def test_init_without_policy_gives_float32_params():
+    # So that the "bf16" cases above cannot pass by accident.
+    variables = jax.eval_shape(ScaledMLP().init, jax.random.key(0), jnp.ones((2, 3)))
+    assert _dtypes(variables) == {F32}
+
+
+@pytest.mark.parametrize(
+    ("rules", "modules"),
+    [({"head": "bf16"}, ["head"]), ({nn.Embed: "bf16"}, ["Embed_0", "Embed_1"])],
+    # nn.Embed creates its parameter in `setup`, not in a compact `__call__`.
+    ids=["compact-module", "setup-module"],
+)
+def test_rule_with_another_param_dtype_stores_that_module_in_it(rules, modules):
+    variables = jax.eval_shape(
+        with_policy(LM().init, "mixed_bfloat16", rules=rules), jax.random.key(0), _tokens()
+    )
+    params = dict(variables["params"])
+    assert _dtypes([params.pop(name) for name in modules]) == {BF16}
+    assert _dtypes(params) == {F32}
+
+
+@pytest.mark.parametrize(
+    ("policy", "output"),
+    [("mixed_bfloat16", F32), ("mixed_float16", F32), ("bf16", BF16), ("p=f32,c=bf16", BF16)],
+)
+def test_apply_returns_output_dtype(policy, output):
+    model = LM()
+    tokens = _tokens()
+    variables = jax.eval_shape(with_policy(model.init, policy), jax.random.key(0), tokens)
+    logits = jax.eval_shape(with_policy(model.apply, policy), variables, tokens)
+    assert logits.dtype == output
+
+
+@pytest.mark.parametrize(("policy", "dtype"), [("mixed_bfloat16", F32), ("bf16", BF16)])
+def test_init_with_output(policy, dtype):
+    init = jax.jit(with_policy(LM().init_with_output, policy))
+    out, variables = jax.eval_shape(init, jax.random.key(0), _tokens())
+    assert out.dtype == dtype
+    assert _dtypes(variables["params"]) == {dtype}
+    # Forward only: q, k, v, logits, weighted values, out, two MLP Dense, head.
+    found = contractions(init.lower(jax.random.key(0), _tokens()).as_text())
+    assert compute_dtypes(found) == [BF16] * 9
+
+
+class AutoEncoder(nn.Module):
+    def setup(self):
+        self.encoder = nn.Dense(4)
+        self.decoder = nn.Dense(8)
+
+    def encode(self, x):
+        return self.encoder(x)
+
+    def __call__(self, x):
+        return self.decoder(self.encode(x))
+
+
+@pytest.mark.parametrize("method", [AutoEncoder.encode, "encode"], ids=["function", "name"])
+def test_method_argument(method):
+    model = AutoEncoder()
+    x = jnp.ones((2, 8))
+    variables = jax.eval_shape(with_policy(model.init, "mixed_bfloat16"), jax.random.key(0), x)
+    encode = jax.jit(lambda v, x: with_policy(model.apply, "mixed_bfloat16")(v, x, method=method))
+    assert jax.eval_shape(encode, variables, x).shape == (2, 4)
+    assert jax.eval_shape(encode, variables, x).dtype == F32
+    found = contractions(encode.lower(variables, x).as_text())
+    assert [c.result for c in found] == ["2x4xbf16"]  # The encoder's dot only.
+
+
+def test_embed_attend_through_method():
+    # Weight tying: logits from the embedding matrix, through `method=`.
+    embed = nn.Embed(VOCAB, FEATURES)
+    variables = jax.eval_shape(
+        with_policy(embed.init, "mixed_bfloat16"), jax.random.key(0), _tokens()
+    )
+    assert _dtypes(variables) == {F32}
+    query = jnp.ones((2, FEATURES))
+    apply = with_policy(embed.apply, "mixed_bfloat16")
+    attend = jax.jit(lambda v, q: apply(v, q, method=nn.Embed.attend))
+    assert jax.eval_shape(attend, variables, query).dtype == F32
+    found = contractions(attend.lower(variables, query).as_text())
+    assert [(c.lhs, c.rhs) for c in found] == [("2x16xbf16", "16x24xbf16")]
+
+
+def test_modules_whose_dtype_is_none_compute_in_compute_dtype():
+    model = nn.Dense(4)
+    assert model.dtype is None  # Flax's default: promote inputs and params.
+    x = jnp.ones((2, 3))
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)
+    plain = contractions(jax.jit(model.apply).lower(variables, x).as_text())
+    wrapped = jax.jit(with_policy(model.apply, "mixed_bfloat16"))
+    found = contractions(wrapped.lower(variables, x).as_text())
+    assert compute_dtypes(plain) == [F32]
+    assert compute_dtypes(found) == [BF16]
+
+
+# --------------------------------------------------------------------------
+# Mutable collections and dropout: these run.
+
+
+class ConvNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Conv(8, (3, 3))(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.5)(x))
+        x = nn.Conv(8, (3, 3), strides=2)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.5)(x))
+        return nn.Dense(10)(x.mean((1, 2)))
+
+
+@pytest.mark.parametrize(("policy", "half"), [("mixed_bfloat16", BF16), ("mixed_float16", F16)])
+def test_convnet_train_step_contracts_in_half_with_float32_batch_stats(policy, half):
+    model = ConvNet()
+    x = jnp.ones((4, 8, 8, 3))
+    labels = jnp.arange(4)
+    variables = jax.eval_shape(with_policy(model.init, policy), jax.random.key(0), x)
+    apply = with_policy(model.apply, policy)
+
+    def grads_and_stats(params, batch_stats):
+        def loss_fn(p):
+            logits, state = apply(
+                {"params": p, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
+            )
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+            return loss, state
+
+        (_, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return grads, state["batch_stats"]
+
+    args = variables["params"], variables["batch_stats"]
+    grads, batch_stats = jax.eval_shape(grads_and_stats, *args)
+    assert _dtypes(grads) == {F32}
+    assert _dtypes(batch_stats) == {F32}
+    found = contractions(jax.jit(grads_and_stats).lower(*args).as_text())
+    # Two convolutions forward; backward, the weight gradient of both and the
+    # input gradient of the second (the first's input is data). The Dense: 3.
+    assert sorted(c.op for c in found) == ["convolution"] * 5 + ["dot_general"] * 3
+    assert compute_dtypes(found) == [half] * 8
+
+
+def test_batch_stats_are_float32_and_updated():
+    model = ConvNet()
+    x = np.random.default_rng(1).standard_normal((4, 8, 8, 3)).astype(np.float32)
+    shapes = jax.eval_shape(with_policy(model.init, "mixed_bfloat16"), jax.random.key(0), x)
+    before = materialize(shapes)
+    apply = with_policy(model.apply, "mixed_bfloat16")
+    out, state = jax.jit(
+        lambda v, x: apply(
+            v,
+            x,
+            train=True,
+            mutable=["batch_stats", "intermediates"],
+            capture_intermediates=lambda m, _: isinstance(m, nn.Conv),
+        )
+    )(before, x)
+    after = state["batch_stats"]
+    assert out.dtype == F32
+    assert _dtypes(shapes["batch_stats"]) == _dtypes(after) == {F32}
+    # The Conv fed its BatchNorm half precision activations; the running mean
+    # moved half way (momentum 0.5) from 0 to their batch mean. (XLA may skip
+    # the bf16 rounding inside the fusion: hence the tolerance.)
+    (conv,) = state["intermediates"]["Conv_0"]["__call__"]
+    assert conv.dtype == BF16
+    batch_mean = conv.astype(F32).mean((0, 1, 2))
+    np.testing.assert_allclose(
+        after["BatchNorm_0"]["mean"], 0.5 * batch_mean, rtol=2e-2, atol=2e-4
+    )
+    assert not np.allclose(after["BatchNorm_0"]["var"], before["batch_stats"]["BatchNorm_0"]["var"])
+
+
+def test_dropout_rngs():
+    model = nn.Sequential([nn.Dense(64), nn.Dropout(0.5, deterministic=False)])
+    x = jnp.ones((4, 8))
+    shapes = jax.eval_shape(with_policy(model.init, "mixed_bfloat16"), jax.random.key(0), x)
+    apply = with_policy(model.apply, "mixed_bfloat16")
+    run = jax.jit(lambda v, key: apply(v, x, rngs={"dropout": key}))
+    variables = materialize(shapes)
+    a = run(variables, jax.random.key(1))
+    b = run(variables, jax.random.key(1))
+    c = run(variables, jax.random.key(2))
+    assert a.dtype == F32
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert 0.3 < np.mean(np.asarray(a) == 0) < 0.7  # About half dropped.
+
+
+# --------------------------------------------------------------------------
+# Rules: which policy each module gets. A module's output dtype is its
+# compute dtype, so the captured outputs of every module read the rules back.
+
+
+class MyDense(nn.Dense):
+    pass
+
+
+class MyDenser(MyDense):
+    pass
+
+
+class Stage(nn.Module):
+    """Dense, LayerNorm, MyDense, Dense; optionally a nested Stage in between."""
+
+    nested: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.LayerNorm()(nn.Dense(8)(x))
+        if self.nested:
+            x = Stage()(x)
+        return nn.Dense(8)(MyDense(8)(x))
+
+
+class Chain(nn.Module):
+    """Modules in a chain: no arithmetic between the outputs of two modules."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.LayerNorm()(nn.Dense(8)(x))
+        x = Stage(name="Block_0")(x)
+        x = Stage(nested=True, name="Block_1")(x)
+        return MyDenser(8)(x)
+
+
+# The modules of Chain, by path, and the class of each.
+CHAIN = {
+    "Dense_0": nn.Dense,
+    "LayerNorm_0": nn.LayerNorm,
+    "Block_0/Dense_0": nn.Dense,
+    "Block_0/LayerNorm_0": nn.LayerNorm,
+    "Block_0/MyDense_0": MyDense,
+    "Block_0/Dense_1": nn.Dense,
+    "Block_1/Dense_0": nn.Dense,
+    "Block_1/LayerNorm_0": nn.LayerNorm,
+    "Block_1/Stage_0/Dense_0": nn.Dense,
+    "Block_1/Stage_0/LayerNorm_0": nn.LayerNorm,
+    "Block_1/Stage_0/MyDense_0": MyDense,
+    "Block_1/Stage_0/Dense_1": nn.Dense,
+    "Block_1/MyDense_0": MyDense,
+    "Block_1/Dense_1": nn.Dense,
+    "MyDenser_0": MyDenser,
+}
+HALF16 = "p=f32,c=f16"  # A rule value whose compute dtype marks the modules it reached.
+
+
+def leaf_output_dtypes(rules, policy="mixed_bfloat16") -> dict[str, np.dtype]:
+    """The output dtype of each leaf module of `Chain` under `policy` and `rules`."""
+    model = Chain()
+    x = jnp.ones((2, 4))
+    variables = jax.eval_shape(
+        with_policy(model.init, policy, rules=rules), jax.random.key(0), x
+    )
+    apply = with_policy(model.apply, policy, rules=rules)
+    _, state = jax.eval_shape(lambda v: apply(v, x, capture_intermediates=True), variables)
+    found = {}
+    for path, (out,) in flax.traverse_util.flatten_dict(state["intermediates"], sep="/").items():
+        path = path.removesuffix("__call__").rstrip("/")
+        if path in CHAIN:
+            found[path] = np.dtype(out.dtype)
+    assert set(found) == set(CHAIN)
+    return found
+
+
+def expect(default=BF16, **dtypes) -> dict[str, np.dtype]:
+    return {path: dtypes.get(path, default) for path in CHAIN}
+
+
+def expect_where(predicate, dtype, default=BF16):
+    return {path: dtype if predicate(path, cls) else default for path, cls in CHAIN.items()}
+
+
+def test_no_rules_every_module_in_compute_dtype():
+    assert leaf_output_dtypes(None) == expect()
+    assert leaf_output_dtypes(None, policy="f32") == expect(F32)
+
+
+def test_class_rule_matches_subclasses():
+    expected = expect_where(lambda _, cls: issubclass(cls, nn.Dense), F16)
+    assert expected["MyDenser_0"] == F16 and expected["LayerNorm_0"] == BF16
+    assert leaf_output_dtypes({nn.Dense: HALF16}) == expected
+
+
+def test_path_pattern_star_crosses_slashes():
+    assert leaf_output_dtypes({"Block_0/*": HALF16}) == expect_where(
+        lambda p, _: p.startswith("Block_0/"), F16
+    )
+    # `*/LayerNorm_*` reaches nested LayerNorms, but not the top-level one.
+    assert leaf_output_dtypes({"*/LayerNorm_*": "f32"}) == expect(
+        **{
+            "Block_0/LayerNorm_0": F32,
+            "Block_1/LayerNorm_0": F32,
+            "Block_1/Stage_0/LayerNorm_0": F32,
+        }
+    )
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["listed-first", "listed-last"])
+def test_path_rule_beats_class_rule(reverse):
+    rules = [(nn.Dense, HALF16), ("Block_0/Dense_0", "f32")]
+    found = leaf_output_dtypes(dict(reversed(rules) if reverse else rules))
+    expected = expect_where(lambda _, cls: issubclass(cls, nn.Dense), F16)
+    assert found == {**expected, "Block_0/Dense_0": F32}
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["listed-first", "listed-last"])
+def test_more_literal_pattern_beats_fewer(reverse):
+    rules = [("Block_0/Dense_*", "f32"), ("Block_*", HALF16)]
+    found = leaf_output_dtypes(dict(reversed(rules) if reverse else rules))
+    expected = expect_where(lambda p, _: p.startswith("Block_"), F16)
+    assert found == {**expected, "Block_0/Dense_0": F32, "Block_0/Dense_1": F32}
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["listed-first", "listed-last"])
+def test_nearer_class_in_mro_beats_farther(reverse):
+    rules = [(MyDense, "f32"), (nn.Dense, HALF16)]
+    found = leaf_output_dtypes(dict(reversed(rules) if reverse else rules))
+    assert found == {
+        path: F32 if issubclass(cls, MyDense) else F16 if cls is nn.Dense else BF16
+        for path, cls in CHAIN.items()
+    }
+
+
+def test_ties_go_to_the_rule_listed_first():
+    # Both patterns have 14 literal characters and match Block_0/Dense_0.
+    first = leaf_output_dtypes({"Block_0/Dense_?": HALF16, "Block_0/*ense_0": "f32"})
+    second = leaf_output_dtypes({"Block_0/*ense_0": "f32", "Block_0/Dense_?": HALF16})
+    only = {"Block_0/Dense_1": F16, "Block_0/MyDense_0": F32}  # Matched by one rule only.
+    assert first == expect(**only, **{"Block_0/Dense_0": F16})
+    assert second == expect(**only, **{"Block_0/Dense_0": F32})
+
+
+@pytest.mark.parametrize("parent", ["Block_1", Stage], ids=["path", "class"])
+def test_children_inherit_their_parents_rule(parent):
+    found = leaf_output_dtypes({parent: HALF16})
+    if parent is Stage:  # Every Stage: both blocks and the nested one.
+        assert found == expect_where(lambda p, _: p.startswith("Block_"), F16)
+    else:
+        assert found == expect_where(lambda p, _: p.startswith("Block_1/"), F16)
+    # A rule on a child overrides the inherited policy, for that child only.
+    found = leaf_output_dtypes({parent: HALF16, "Block_1/Stage_0/Dense_1": "f32"})
+    assert found["Block_1/Stage_0/Dense_1"] == F32
+    assert found["Block_1/Stage_0/MyDense_0"] == F16
+
+
+def test_rule_values_spec_or_policy():
+    by_spec = leaf_output_dtypes({"Block_0": "p=f32,c=f16,o=f16"})
+    by_policy = leaf_output_dtypes({"Block_0": Policy(F32, F16, F16)})
+    assert by_spec == by_policy == expect_where(lambda p, _: p.startswith("Block_0/"), F16)
+
+
+@pytest.mark.parametrize(
+    ("rules", "error", "message"),
+    [
+        ({3: "f32"}, TypeError, r"Module subclass or a non-empty module path pattern.*got 3"),
+        ({"": "f32"}, TypeError, r"non-empty module path pattern.*got ''"),
+        ({int: "f32"}, TypeError, r"Module subclass.*got <class 'int'>"),
+        ({"head": 3}, TypeError, r"rules\['head'\] must be a Policy or a policy spec.*got 3"),
+        ({"head": "c=f17"}, ValueError, r"Unknown dtype 'f17'.*accepted dtype names"),
+        ({"head": "c-f16"}, ValueError, r"'c-f16'"),
+        ([("head", "f32")], TypeError, r"rules must be a mapping"),
+    ],
+    ids=["key-int", "key-empty", "key-class", "value-int", "value-dtype", "value-syntax", "list"],
+)
+def test_bad_rules_say_what_is_accepted(rules, error, message):
+    with pytest.raises(error, match=message):
+        with_policy(Chain().apply, "mixed_bfloat16", rules=rules)
+
+
+# --------------------------------------------------------------------------
+# Lifted transforms.
+
+
+class ScanBody(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return Block()(x, True), None
+
+
+class ScanLM(nn.Module):
+    """Two Blocks through `nn.scan`, parameters stacked on a leading axis."""
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = False):
+        x = nn.Embed(VOCAB, FEATURES)(tokens)
+        blocks = nn.scan(
+            ScanBody,
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": True},
+            length=2,
+        )
+        x, _ = blocks(name="blocks")(x, None)
+        return Head(VOCAB, name="head")(nn.LayerNorm()(x))
+
+
+class RematLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens, train: bool = False):
+        x = nn.Embed(VOCAB, FEATURES)(tokens)
+        x = nn.remat(Block, static_argnums=(2,))()(x, train)
+        return Head(VOCAB, name="head")(nn.LayerNorm()(x))
+
+
+class VmapLM(nn.Module):
+    """An ensemble of three Dense through `nn.vmap`, averaged."""
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = False):
+        x = nn.Embed(VOCAB, FEATURES)(tokens)
+        ensemble = nn.vmap(
+            nn.Dense,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=None,
+            out_axes=0,
+            axis_size=3,
+        )
+        x = ensemble(FEATURES)(x).mean(0)
+        return Head(VOCAB, name="head")(nn.LayerNorm()(x))
+
+
+@pytest.mark.parametrize(
+    ("model", "count"),
+    [
+        # The loop bodies of the forward and backward scans appear once each.
+        (ScanLM(), LM_DOTS),
+        # The block's forward dots run again in the backward pass.
+        (RematLM(), None),
+        # Ensemble Dense and head, each forward and two backward.
+        (VmapLM(), 6),
+    ],
+    ids=["scan", "remat", "vmap"],
+)
+def test_lifted_transforms_contract_in_half_with_float32_grads(model, count):
+    found = lowered_train_step(model, "mixed_bfloat16")
+    if count is None:
+        assert len(found) > LM_DOTS
+    else:
+        assert len(found) == count
+    assert compute_dtypes(found) == [BF16] * len(found)
+
+    tokens = _tokens()
+    params = jax.eval_shape(with_policy(model.init, "mixed_bfloat16"), jax.random.key(0), tokens)[
+        "params"
+    ]
+    apply = with_policy(model.apply, "mixed_bfloat16")
+    loss = lambda p: apply({"params": p}, tokens, rngs={"dropout": jax.random.key(1)}).sum()
+    grads = jax.eval_shape(jax.grad(loss), params)
+    assert _dtypes(params) == _dtypes(grads) == {F32}
+    if isinstance(model, ScanLM):
+        assert params["blocks"]["Block_0"]["Dense_0"]["kernel"].shape == (2, FEATURES, 4 * FEATURES)
+    if isinstance(model, VmapLM):
+        assert params["VmapDense_0"]["kernel"].shape == (3, FEATURES, FEATURES)
+
+
+def test_rules_reach_modules_inside_scan():
+    found = lowered_train_step(ScanLM(), "mixed_bfloat16", rules={"blocks/*/Dense_*": "f32"})
+    mlp = [c.has_dim(4 * FEATURES) for c in found]  # The MLP's two Dense.
+    assert sum(mlp) == 6
+    assert [c.operand_dtypes for c in found] == [
+        (F32, F32) if is_mlp else (BF16, BF16) for is_mlp in mlp
+    ]
+
+
+# --------------------------------------------------------------------------
+# The jit cache: linen interceptors are not part of jax.jit's cache key.
+
+
+@pytest.mark.parametrize("order", ["ABAB", "BABA"])
+def test_jitted_wrapped_and_unwrapped_apply_keep_their_own_dtypes(order):
+    model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(4)])  # Fresh per order.
+    x = jnp.ones((2, 3))
+    variables = materialize(jax.eval_shape(model.init, jax.random.key(0), x))
+    calls = {
+        "A": jax.jit(with_policy(model.apply, "p=f32,c=bf16")),  # Output bf16.
+        "B": jax.jit(model.apply),
+    }
+    expected = {"A": BF16, "B": F32}
+    for name in order:
+        assert calls[name](variables, x).dtype == expected[name], f"{name} in {order}"
+
+
+def test_two_policies_of_one_apply_keep_their_own_dtypes():
+    model = nn.Dense(4)
+    x = jnp.ones((2, 3))
+    variables = materialize(jax.eval_shape(model.init, jax.random.key(0), x))
+    bf16 = jax.jit(with_policy(model.apply, "p=f32,c=bf16"))
+    f16 = jax.jit(with_policy(model.apply, "p=f32,c=f16"))
+    assert [f(variables, x).dtype for f in (bf16, f16, bf16, f16)] == [BF16, F16, BF16, F16]
+
+
+@pytest.mark.parametrize("fn", [lambda x: x, nn.Dense(4).apply], ids=["function", "apply"])
+def test_jitted_function_is_refused(fn):
+    with pytest.raises(TypeError, match=r"jit the result instead: jax.jit\(with_policy"):
+        with_policy(jax.jit(fn), "mixed_bfloat16")
+
+
+# --------------------------------------------------------------------------
+# Plain functions.
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_plain_function_casts_floats_only(jit):
+    seen = {}
+
+    def f(x, n, key, flag, scale, *, y):
+        seen.update(x=x.dtype, n=n.dtype, key=key.dtype, y=y.dtype, flag=flag, scale=scale)
+        return {"sum": x * scale + y, "n": n + 1, "key": key}
+
+    wrapped = with_policy(f, "mixed_bfloat16")
+    if jit:
+        wrapped = jax.jit(wrapped, static_argnums=(3, 4))
+    key = jax.random.key(0)
+    out = wrapped(jnp.ones(3), jnp.arange(3), key, True, 2.0, y=jnp.ones(3, F16))
+    assert seen["x"] == seen["y"] == BF16
+    assert seen["n"] == np.dtype(np.int32)
+    assert seen["key"] == key.dtype
+    assert seen["flag"] is True and type(seen["scale"]) is float
+    assert out["sum"].dtype == F32
+    np.testing.assert_array_equal(out["sum"], np.full(3, 3.0))
+    assert out["n"].dtype == np.dtype(np.int32)
+    assert out["key"].dtype == key.dtype
+
+
+# --------------------------------------------------------------------------
+# The user's module attributes.
+
+class Failing(nn.Module):
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        raise ValueError("boom")
+
+
+class Parent(nn.Module):
+    dtype: Any = None
+
+    def setup(self):
+        self.child = nn.Dense(4, dtype=jnp.float32)  # The user asked for float32.
+        self.failing = Failing()
+
+    def __call__(self, x):
+        SEEN["parent"] = self.dtype
+        y = self.child(x)
+        SEEN["child after its call"] = self.child.dtype
+        try:
+            self.failing(x)
+        except ValueError:
+            SEEN["failing after its error"] = self.failing.dtype
+        return y
+
+
+def test_module_attributes_are_overridden_inside_and_restored_after():
+    model = Parent()
+    x = jnp.ones((2, 3))
+    variables = jax.eval_shape(with_policy(model.init, "mixed_bfloat16"), jax.random.key(0), x)
+    SEEN.clear()
+    apply = jax.jit(with_policy(model.apply, "mixed_bfloat16"))
+    found = contractions(apply.lower(variables, x).as_text())
+    # The explicit float32 Dense computes in bf16 inside the call...
+    assert compute_dtypes(found) == [BF16]
+    assert SEEN["parent"] == BF16
+    # ...and has the user's dtype back afterwards, also after an error.
+    assert SEEN["child after its call"] == jnp.float32
+    assert SEEN["failing after its error"] == jnp.float32
+    assert model.dtype is None
+    # Without the policy the same module computes in float32.
+    assert compute_dtypes(contractions(jax.jit(model.apply).lower(variables, x).as_text())) == [F32]
+
+
+def test_policy_is_restored_after_an_error():
+    model = nn.Dense(4)
+    x = jnp.ones((2, 3))
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)
+    with pytest.raises(Exception):
+        jax.eval_shape(with_policy(model.apply, "bf16"), variables, jnp.ones((2, 5)))
+    # A later unwrapped call is untouched by the failed wrapped one.
+    assert jax.eval_shape(model.apply, variables, x).dtype == F32
+
+
+# --------------------------------------------------------------------------
+# Numerics: a few hundred steps of training, float32 against mixed_bfloat16.
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.gelu(nn.LayerNorm()(nn.Dense(64)(x)))
+        x = nn.gelu(nn.Dense(64)(x))
+        return nn.Dense(10)(x)
+
+
+STEPS = 300
+
+
+def train_mlp(policy):
+    """Trains MLP on labels of a random linear teacher; returns params, grads, losses."""
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal((STEPS, 64, 16)).astype(np.float32)
+    labels = np.argmax(xs @ rng.standard_normal((16, 10)), -1).astype(np.int32)
+    model = MLP()
+    shapes = jax.eval_shape(with_policy(model.init, policy), jax.random.key(0), xs[0])
+    params = materialize(shapes["params"], seed=1)
+    apply = with_policy(model.apply, policy)
+
+    def step(carry, batch):
+        params, opt_state, _ = carry
+        x, y = batch
+
+        def loss_fn(p):
+            logits = apply({"params": p}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, grads), loss
+
+    @jax.jit
+    def run(params, xs, labels):
+        carry = (params, TX.init(params), params)
+        (params, _, grads), losses = jax.lax.scan(step, carry, (xs, labels))
+        return params, grads, losses
+
+    return run(params, xs, labels)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return {policy: train_mlp(policy) for policy in ("f32", "mixed_bfloat16")}
+
+
+def test_mixed_bfloat16_training_matches_float32(trained):
+    _, _, full = trained["f32"]
+    _, _, mixed = trained["mixed_bfloat16"]
+    full, mixed = np.asarray(full), np.asarray(mixed)
+    # Both learn: the mean loss of the last 20 steps is a fraction of the first.
+    assert full[-20:].mean() < 0.25 * full[:20].mean()
+    # bf16 has 8 bits of mantissa: the loss after 300 steps is within 0.03
+    # (about a tenth of its value) of float32's.
+    assert abs(mixed[-20:].mean() - full[-20:].mean()) < 0.03
+    # And the policy did something: the two runs are not the same computation.
+    assert not np.array_equal(full, mixed)
+
+
+def test_training_keeps_params_and_grads_in_param_dtype(trained):
+    params, grads, losses = trained["mixed_bfloat16"]
+    assert _dtypes(params) == _dtypes(grads) == {F32}
+    assert losses.dtype == F32
+    assert np.all(np.isfinite(losses))
