@@ -74,8 +74,10 @@ def _dtype_of(x: Any) -> np.dtype:
 
 def _as_float32_scale(x: Any, name: str, warn_if_int: bool) -> Any:
     """Converts a user's scale to a float32 array leaf, validating concrete values."""
-    if not _is_array_like(x):
-        return x
+    if not _is_array_like(x) or isinstance(x, complex):
+        raise TypeError(f"{name} must be a number or a scalar array, got {x!r}.")
+    if np.ndim(x) != 0:  # Shapes are known without waiting for the device.
+        raise ValueError(f"{name} must be a scalar, got shape {np.shape(x)}.")
     dtype = _dtype_of(x)
     if warn_if_int and not jnp.issubdtype(dtype, jnp.floating):
         # jmp's warning, kept for compatibility; the value is converted and works.
@@ -89,7 +91,17 @@ def _as_float32_scale(x: Any, name: str, warn_if_int: bool) -> Any:
     return x
 
 
+def _as_int32_scalar(x: Any, name: str) -> Any:
+    """Converts a user's counter to an int32 scalar leaf."""
+    if not (_is_array_like(x) and jnp.issubdtype(_dtype_of(x), jnp.integer) and np.ndim(x) == 0):
+        raise TypeError(f"{name} must be an integer scalar, got {x!r}.")
+    return x if _dtype_of(x) == np.int32 else jnp.asarray(x, jnp.int32)
+
+
 def _static_float(x: Any, name: str, warn_if_int: bool = False) -> float:
+    if isinstance(x, (str, bytes, bool, np.bool_)):
+        # float("3") and float(True) would pass silently.
+        raise TypeError(f"{name} must be a number, got {x!r}.")
     if isinstance(x, jax.core.Tracer):
         raise TypeError(
             f"{name} is a static hyperparameter and must be a concrete number, "
@@ -249,8 +261,12 @@ class DynamicLossScale(LossScale):
       overflows: overflows since the scale last changed (only if hysteresis > 1).
 
     Raises:
-      ValueError: for a non-positive or non-finite scale, `period < 1`,
-        `factor <= 1`, `hysteresis < 1` or bounds that do not hold the scale.
+      TypeError: for a scale that is not a number, a counter that is not an
+        integer scalar, or a hyperparameter given as a string or a bool.
+      ValueError: for a non-positive, non-finite or non-scalar scale,
+        `period < 1`, `factor <= 1`, `hysteresis < 1`, a counter outside
+        `[0, period)`, `overflows` without `hysteresis > 1`, or bounds that
+        do not hold the scale.
         The scale's value is checked when given as a Python or NumPy number;
         a `jax.Array` is taken as is (reading it would wait for the device).
 
@@ -277,14 +293,18 @@ class DynamicLossScale(LossScale):
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
-        given_scale = self.loss_scale
+        given_scale, given_counter = self.loss_scale, self.counter
         set_("loss_scale", _as_float32_scale(self.loss_scale, "loss_scale", True))
-        if _is_array_like(self.counter) and _dtype_of(self.counter) != np.int32:
-            set_("counter", jnp.asarray(self.counter, jnp.int32))
+        set_("counter", _as_int32_scalar(self.counter, "counter"))
         period = _static_float(self.period, "period")
         if not (period >= 1 and period == int(period)):
             raise ValueError(f"period must be an integer >= 1, got {self.period!r}.")
         set_("period", int(period))
+        # A jax.Array counter (e.g. from an eager `adjust`) is not read back.
+        if not isinstance(given_counter, jax.Array) and not 0 <= int(given_counter) < period:
+            raise ValueError(
+                f"counter must be in [0, period) = [0, {int(period)}), got {given_counter!r}."
+            )
         factor = _static_float(self.factor, "factor")
         if not (factor > 1 and math.isfinite(factor)):
             raise ValueError(f"factor must be a finite number > 1, got {self.factor!r}.")
@@ -298,12 +318,21 @@ class DynamicLossScale(LossScale):
             )
         set_("min_loss_scale", lo)
         set_("max_loss_scale", hi)
-        if not (isinstance(self.hysteresis, int) and self.hysteresis >= 1):
+        hysteresis = self.hysteresis
+        is_int = isinstance(hysteresis, int) and not isinstance(hysteresis, bool)
+        if not (is_int and hysteresis >= 1):
+            raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}.")
+        if self.overflows is None:
+            if hysteresis > 1:
+                set_("overflows", np.zeros([], np.int32))
+        elif hysteresis == 1:
+            # A leaf that `adjust` drops would change the pytree (a scan carry) per step.
             raise ValueError(
-                f"hysteresis must be an integer >= 1, got {self.hysteresis!r}."
+                f"overflows is only kept with hysteresis > 1, got overflows={self.overflows!r} "
+                "with hysteresis=1."
             )
-        if self.hysteresis > 1 and self.overflows is None:
-            set_("overflows", np.zeros([], np.int32))
+        else:
+            set_("overflows", _as_int32_scalar(self.overflows, "overflows"))
         if _is_concrete_scalar(given_scale):
             scale = float(given_scale)
             if not lo <= scale <= hi:
@@ -351,10 +380,14 @@ class ExpectedScalarError(ValueError, AssertionError):
 
 
 def _check_bool_scalar(pred: Any, name: str) -> None:
-    shape, dtype = np.shape(pred), _dtype_of(pred)
-    if shape != () or dtype != np.bool_:
+    try:
+        got = f"shape {np.shape(pred)} dtype {_dtype_of(pred)}"
+        ok = np.shape(pred) == () and _dtype_of(pred) == np.bool_
+    except Exception:  # Not array-like at all: a string, an object.
+        got, ok = repr(pred), False
+    if not ok:
         raise ExpectedScalarError(
-            f"{name}: expected boolean scalar, got shape {shape} dtype {dtype}. "
+            f"{name}: expected boolean scalar, got {got}. "
             "Reduce it first, e.g. with `all_finite(grads)`."
         )
 

@@ -58,7 +58,8 @@ def loss_scaled(
       `LossScaledState`.
 
     Raises:
-      TypeError: if `loss_scale` is not a `LossScale`.
+      TypeError: if `inner` is not an optax transformation or `loss_scale`
+        is not a `LossScale`.
 
     References: Micikevicius et al., "Mixed Precision Training" (2018);
     PyTorch's `GradScaler.step`/`update`; Keras' `LossScaleOptimizer`.
@@ -73,6 +74,12 @@ def loss_scaled(
     >>> updates["w"], float(jmp.get_loss_scale(state).loss_scale)
     (Array([-0., -0.], dtype=float32), 16384.0)
     """
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        hint = " (call it: e.g. optax.adam(1e-3))" if callable(inner) else ""
+        raise TypeError(
+            f"inner must be an optax GradientTransformation such as optax.adam(1e-3), "
+            f"got {inner!r}{hint}."
+        )
     if not isinstance(loss_scale, LossScale):
         raise TypeError(
             "loss_scale must be a NoOpLossScale, StaticLossScale or "

@@ -8,6 +8,7 @@ work for any dtype spelling.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, TypeVar
 
 import jax
@@ -194,7 +195,17 @@ def get_policy(spec: str | Policy) -> Policy:
         raise TypeError(f"get_policy expects a spec string or a Policy, got {spec!r}.")
     text = _PRESETS.get(spec.strip(), spec)
     if "=" not in text:
-        dtype = _parse_dtype(text.strip())
+        name = text.strip()
+        if name not in _NAME_TO_DTYPE and name != "half":
+            # A bare word may be a misspelt preset as well as a misspelt dtype.
+            close = difflib.get_close_matches(name, [*_PRESETS, *_NAME_TO_DTYPE, "half"], 1)
+            raise ValueError(
+                f"Unknown dtype {name!r} in policy spec {spec!r}"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + f": accepted are a dtype name ({_ACCEPTED_DTYPES}), a preset "
+                f"({', '.join(_PRESETS)}) or key=dtype parts with key one of {_ACCEPTED_KEYS}."
+            )
+        dtype = _parse_dtype(name)
         return Policy(dtype, dtype, dtype)
     dtypes = {}
     for part in text.split(","):

@@ -12,3 +12,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+def pytest_configure(config):
+    # Slow tests still run in the normal test command; `-m "not slow"` skips them.
+    config.addinivalue_line(
+        "markers",
+        "slow: long-running reliability test (runs by default; deselect with -m 'not slow')",
+    )
