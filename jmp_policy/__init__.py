@@ -11,6 +11,12 @@ from jmp_policy.loss_scale import NoOpLossScale
 from jmp_policy.loss_scale import StaticLossScale
 from jmp_policy.loss_scale import all_finite
 from jmp_policy.loss_scale import select_tree
+from jmp_policy.ops import FLOAT32_PRIMITIVES
+from jmp_policy.ops import HALF_PRIMITIVES
+from jmp_policy.ops import PROMOTE_PRIMITIVES
+from jmp_policy.ops import autocast
+from jmp_policy.ops import half_conv_general_dilated
+from jmp_policy.ops import half_dot_general
 from jmp_policy.optimizer import LossScaledState
 from jmp_policy.optimizer import get_loss_scale
 from jmp_policy.optimizer import loss_scaled
@@ -25,16 +31,22 @@ __version__ = "0.1.0"
 __all__ = (
     "DynamicLossScale",
     "ExpectedScalarError",
+    "FLOAT32_PRIMITIVES",
+    "HALF_PRIMITIVES",
     "LossScale",
     "LossScaledState",
     "NoOpLossScale",
+    "PROMOTE_PRIMITIVES",
     "Policy",
     "StaticLossScale",
     "all_finite",
+    "autocast",
     "cast_to_full",
     "cast_to_half",
     "get_loss_scale",
     "get_policy",
+    "half_conv_general_dilated",
+    "half_dot_general",
     "half_dtype",
     "loss_scaled",
     "select_tree",

@@ -1,0 +1,143 @@
+"""The examples under examples/ and the residual-bytes benchmark, run as tests.
+
+* Numerics: the example Transformer LM trained for 300 steps under
+  `mixed_bfloat16`, and under `mixed_float16` with `DynamicLossScale`, ends
+  within `LOSS_TOLERANCE` of the float32 run (all three start from the same
+  parameters and see the same batches).
+* The demo (`examples/train_mlp.py`, what `./run demo` runs) prints a row per
+  policy with its loss, accuracy, loss scale and skipped steps.
+* Memory: the bytes saved for the backward pass of the Transformer's loss
+  under `mixed_bfloat16` are at most `benchmarks/residuals.py`'s
+  `TARGET_RATIO` (0.55) of float32's, computed by the benchmark's own function.
+
+The whole file takes about 80 s of CPU time (mostly XLA compilation of 7 train steps).
+"""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+STEPS = 300
+# Final loss = mean training loss of the last 10 of 300 steps, in nats (about
+# 1.52 here, from ln(88) = 4.48 at the start). Measured differences to float32:
+# 0.002 (bfloat16) and < 0.001 (float16); 0.03 nats is about 2% of the loss.
+LOSS_TOLERANCE = 0.03
+
+
+def _load(relative_path: str, name: str):
+    path = ROOT / relative_path
+    module = sys.modules.get(name)
+    if module is not None and Path(getattr(module, "__file__", "")).resolve() == path:
+        return module
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # linen modules are dataclasses: they look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _standard_promotion():
+    # The examples use optax.adam, whose bias correction (`decay ** count`,
+    # float ** int32) fails under the suite's strict promotion; user code runs
+    # under standard promotion. Module scope: the shared runs need it too.
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def transformer_lm():
+    return _load("examples/transformer_lm.py", "transformer_lm")
+
+
+@pytest.fixture(scope="module")
+def float32_run(transformer_lm):
+    result = transformer_lm.train("float32", None, STEPS, seed=0, evaluate=False)
+    # The reference must have learned, or agreeing with it would prove nothing.
+    assert result["final_loss"] < 2.0, result["final_loss"]
+    assert result["losses"][0] > 4.0, result["losses"][0]
+    return result
+
+
+def _assert_params_float32(params):
+    dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(params)}
+    assert dtypes == {"float32"}, dtypes
+
+
+def test_transformer_mixed_bfloat16_matches_float32(transformer_lm, float32_run):
+    result = transformer_lm.train("mixed_bfloat16", None, STEPS, seed=0, evaluate=False)
+    assert len(result["losses"]) == STEPS
+    assert abs(result["final_loss"] - float32_run["final_loss"]) < LOSS_TOLERANCE, (
+        result["final_loss"],
+        float32_run["final_loss"],
+    )
+    assert result["skipped"] == 0
+    assert result["loss_scale"] == 1.0  # NoOpLossScale
+    _assert_params_float32(result["params"])
+
+
+def test_transformer_mixed_float16_loss_scaled_matches_float32(transformer_lm, float32_run):
+    result = transformer_lm.train("mixed_float16", 2.0**15, STEPS, seed=0, evaluate=False)
+    assert abs(result["final_loss"] - float32_run["final_loss"]) < LOSS_TOLERANCE, (
+        result["final_loss"],
+        float32_run["final_loss"],
+    )
+    # Dynamic scaling may skip a few overflowing steps, never many.
+    assert result["skipped"] <= 10, result["skipped"]
+    assert math.isfinite(result["loss_scale"]) and result["loss_scale"] >= 1.0
+    assert np.isfinite(result["losses"]).all()
+    _assert_params_float32(result["params"])
+
+
+def test_train_mlp_demo_prints_a_row_per_policy(capsys):
+    train_mlp = _load("examples/train_mlp.py", "train_mlp")
+    results = train_mlp.main(["--steps", "20"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "20 Adam steps" in lines[0]
+    for column in ("train loss", "test acc", "loss scale", "skipped"):
+        assert column in lines[1]
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith(("float", "mixed"))}
+    assert list(rows) == ["float32", "mixed_bfloat16", "mixed_float16"]
+    assert rows["mixed_float16"][3] == "32768"  # 2**15, no overflow in 20 steps
+    assert rows["mixed_bfloat16"][3] == "none"
+    for name, row in rows.items():
+        r = results[name]
+        assert row[1] == f"{r['final_loss']:.4f}"
+        assert row[4] == str(r["skipped"]) == "0"
+        assert row[5] == "float32"  # parameters and batch_stats
+        assert r["accuracy"] > 0.3  # 10 classes: chance is 0.1
+        assert np.isfinite(r["losses"]).all()
+
+
+@pytest.fixture(scope="module")
+def residual_bytes():
+    residuals = _load("benchmarks/residuals.py", "residuals_benchmark")
+    return residuals.TARGET_RATIO, residuals.residual_bytes()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Known gap (issue 4 open): 0.594 of float32. Flax's nn.LayerNorm saves three "
+    "float32 copies of its input for the backward pass; a memory-lean norm (custom VJP "
+    "or remat, measured at 0.46) is not built yet.",
+)
+def test_mixed_bfloat16_residual_bytes_at_most_target_of_float32(residual_bytes):
+    target, by_variant = residual_bytes
+    ratio = by_variant["mixed_bfloat16"] / by_variant["float32"]
+    assert ratio <= target, (
+        f"mixed_bfloat16 saves {ratio:.3f} of float32's residual bytes (target <= {target}); "
+        "run benchmarks/residuals.py for the float32 residuals by origin"
+    )
+
+
+def test_with_policy_saves_no_more_than_flax_dtype_by_hand(residual_bytes):
+    _, by_variant = residual_bytes
+    assert by_variant["mixed_bfloat16"] <= by_variant["flax dtype=bf16"], by_variant
