@@ -192,7 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-time", action="store_true", help="skip the step-time part")
     parser.add_argument("--budget", type=float, default=20.0, help="seconds of timed rounds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a short timing budget (5 s)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.budget = min(args.budget, 5.0)
 
     lm = load_example()
     batches, _, vocab_size = lm.make_data(20, seed=args.seed)

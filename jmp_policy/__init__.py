@@ -3,6 +3,9 @@
 A superset of DeepMind's jmp: `import jmp_policy as jmp` runs jmp code.
 """
 
+from jmp_policy.diagnostics import GradientReport
+from jmp_policy.diagnostics import diagnose
+from jmp_policy.diagnostics import plot_histogram
 from jmp_policy.linen import with_policy
 from jmp_policy.loss_scale import DynamicLossScale
 from jmp_policy.loss_scale import ExpectedScalarError
@@ -32,6 +35,7 @@ __all__ = (
     "DynamicLossScale",
     "ExpectedScalarError",
     "FLOAT32_PRIMITIVES",
+    "GradientReport",
     "HALF_PRIMITIVES",
     "LossScale",
     "LossScaledState",
@@ -43,12 +47,14 @@ __all__ = (
     "autocast",
     "cast_to_full",
     "cast_to_half",
+    "diagnose",
     "get_loss_scale",
     "get_policy",
     "half_conv_general_dilated",
     "half_dot_general",
     "half_dtype",
     "loss_scaled",
+    "plot_histogram",
     "select_tree",
     "with_policy",
 )

@@ -1,0 +1,263 @@
+"""The `jmp-policy` command (also `python -m jmp_policy`).
+
+Subcommands:
+  demo    train one model under four precisions and show what happened
+  doctor  report which gradients float16 / bfloat16 could not hold
+  bench   run the benchmark scripts of a source checkout and print their tables
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Sequence
+
+PROG = "jmp-policy"
+_DEMO_EXTRA = ("sklearn", "matplotlib", "tqdm")
+
+
+class _UsageError(Exception):
+    """A bad command line: reported in one line, without a traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the whole usage block and exits; one line is enough and
+    # `main` returns the exit code instead of raising SystemExit.
+    def error(self, message: str):
+        raise _UsageError(f"{self.prog}: error: {message} (see '{self.prog} --help')")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+    return value
+
+
+def _check_writable(path: pathlib.Path, command: str) -> None:
+    """Fails now, not after minutes of training, if `path` cannot be written."""
+    where = f"{PROG} {command}: error: --output {str(path)!r}"
+    if path.is_dir():
+        raise _UsageError(f"{where} is a directory, not a file name")
+    if not path.parent.is_dir():
+        problem = "is not a directory" if path.parent.exists() else "does not exist"
+        raise _UsageError(f"{where}: {str(path.parent)!r} {problem}")
+    existed = path.exists()
+    try:
+        # Opening is the only test that also catches read-only file systems
+        # (and root, for whom os.access always says yes).
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise _UsageError(f"{where} is not writable: {e.strerror or e}") from None
+    if not existed:
+        os.unlink(path)
+
+
+def _check_demo_extra(command: str) -> None:
+    missing = [m for m in _DEMO_EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        names = {"sklearn": "scikit-learn"}
+        raise _UsageError(
+            f"{PROG} {command}: error: needs {', '.join(names.get(m, m) for m in missing)}: "
+            "pip install 'jmp_policy[demo]'"
+        )
+
+
+def _build_parser() -> _Parser:
+    from jmp_policy import demo
+
+    parser = _Parser(
+        prog=PROG,
+        description="Mixed precision for JAX, Flax and optax: demo, diagnostics, benchmarks.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{demo,doctor,bench}")
+
+    p = sub.add_parser(
+        "demo",
+        help="train a Flax MLP on 8x8 digits in float32, bfloat16 and float16 (with and "
+        "without loss scaling), print a table, write a PNG",
+        description="Trains a Flax MLP on scikit-learn's 8x8 digits four times: float32; "
+        "mixed_bfloat16; mixed_float16 with dynamic loss scaling; mixed_float16 without. "
+        "Prints a table and writes a PNG of the loss curves and the loss scale.",
+    )
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help=f"training steps per run (default {demo.DEFAULT_STEPS}, "
+                   f"--quick: {demo.QUICK_STEPS})")
+    p.add_argument("--batch-size", type=_positive_int, default=None,
+                   help=f"examples per step (default {demo.DEFAULT_BATCH_SIZE}, "
+                   f"--quick: {demo.QUICK_BATCH_SIZE})")
+    p.add_argument("--output", type=pathlib.Path, default=pathlib.Path(demo.DEFAULT_OUTPUT),
+                   metavar="PATH", help=f"where the PNG goes (default {demo.DEFAULT_OUTPUT})")
+    p.add_argument("--quick", action="store_true",
+                   help="a run of seconds: a smoke test, its numbers mean little")
+    p.add_argument("--loss-multiplier", type=_positive_float,
+                   default=demo.DEFAULT_LOSS_MULTIPLIER, metavar="M",
+                   help="the loss is mean cross-entropy x M (default 2^-15 = "
+                   f"{demo.DEFAULT_LOSS_MULTIPLIER:g}; 1: the plain loss, whose gradients "
+                   "float16 holds)")
+    p.add_argument("--seed", type=int, default=0, help="data split, initialisation, batches")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    p = sub.add_parser(
+        "doctor",
+        help="which gradients of the demo model float16 / bfloat16 could not hold; a "
+        "recommended policy and loss scale; a PNG histogram",
+        description="Trains the demo model in float32 for a while, then reports, per weight "
+        "and activation gradient, the share of values that would underflow or overflow in "
+        "float16 and bfloat16, a recommended policy and loss scale, and matrix products "
+        "whose sizes are not multiples of 8. For your own model use "
+        "jmp_policy.diagnostics.diagnose(grad_fn, *args).",
+    )
+    p.add_argument("--steps", type=_positive_int, default=200,
+                   help="float32 training steps before the gradients are measured (default 200)")
+    p.add_argument("--batch-size", type=_positive_int, default=demo.DEFAULT_BATCH_SIZE,
+                   help=f"examples per step (default {demo.DEFAULT_BATCH_SIZE})")
+    p.add_argument("--output", type=pathlib.Path, default=pathlib.Path("jmp_policy_doctor.png"),
+                   metavar="PATH", help="where the PNG goes (default jmp_policy_doctor.png)")
+    p.add_argument("--loss-multiplier", type=_positive_float,
+                   default=demo.DEFAULT_LOSS_MULTIPLIER, metavar="M",
+                   help="as for demo (default 2^-15)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser(
+        "bench",
+        help="run the benchmark scripts (benchmarks/*.py of a source checkout)",
+        description="Runs every benchmarks/*.py of the source checkout and prints its tables.",
+    )
+    p.add_argument("--quick", action="store_true", help="pass --quick to every benchmark")
+    p.add_argument("--dir", type=pathlib.Path, default=None, metavar="DIR",
+                   help="the benchmarks directory (default: the checkout's benchmarks/)")
+    return parser
+
+
+def _run_demo(args) -> int:
+    from jmp_policy import demo
+
+    _check_writable(args.output, "demo")
+    _check_demo_extra("demo")
+    steps = args.steps or (demo.QUICK_STEPS if args.quick else demo.DEFAULT_STEPS)
+    batch = args.batch_size or (demo.QUICK_BATCH_SIZE if args.quick else demo.DEFAULT_BATCH_SIZE)
+    demo.run_demo(
+        steps=steps, batch_size=batch, output=args.output, loss_multiplier=args.loss_multiplier,
+        seed=args.seed, progress=not args.no_progress,
+    )
+    return 0
+
+
+def _run_doctor(args) -> int:
+    from jmp_policy import demo, diagnostics
+
+    _check_writable(args.output, "doctor")
+    _check_demo_extra("doctor")
+    data = demo.load_data(args.seed)
+    model = demo.MLP()
+    initial = demo.init_params(model, data, args.seed)
+    f32 = demo.CONFIGS[0]
+    result = demo.train(
+        f32, data, initial, steps=args.steps, batch_size=args.batch_size,
+        loss_multiplier=args.loss_multiplier, seed=args.seed, progress=not args.no_progress,
+        model=model,
+    )
+    x, y = data.x_train[: args.batch_size], data.y_train[: args.batch_size]
+    variables = demo.with_perturbations(model, result.params, x)
+    grad_fn = demo.activation_grad_fn(model, args.loss_multiplier)
+    report = diagnostics.diagnose(grad_fn, variables, x, y)
+    print(
+        f"jmp-policy doctor: the demo model after {args.steps} float32 steps, loss x "
+        f"{demo.format_multiplier(args.loss_multiplier)}, one batch of {len(x)}. 'params/...' "
+        "are weight gradients, 'perturbations/...' activation gradients (Flax `perturb`)."
+    )
+    print(report.to_text())
+    diagnostics.plot_histogram(
+        report, args.output,
+        title="Demo model: weight and activation gradients (float32), "
+        f"{100 * report.total.zero:.0f}% exact zeros not shown",
+    )
+    print(f"Wrote {args.output}.")
+    return 0
+
+
+def _benchmarks_dir() -> pathlib.Path | None:
+    # Only a source checkout (editable install) has them next to the package.
+    root = pathlib.Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file() and (root / "benchmarks").is_dir():
+        return root / "benchmarks"
+    return None
+
+
+def _run_bench(args) -> int:
+    where = args.dir if args.dir is not None else _benchmarks_dir()
+    if where is None or not where.is_dir():
+        what = f"{str(args.dir)!r} is not a directory" if args.dir is not None else (
+            "no benchmarks/ directory: the benchmarks come with a source checkout, not an "
+            "installed package (or give --dir)"
+        )
+        raise _UsageError(f"{PROG} bench: error: {what}")
+    scripts = sorted(p for p in where.glob("*.py") if not p.name.startswith("_"))
+    if not scripts:
+        raise _UsageError(f"{PROG} bench: error: no benchmark scripts in {str(where)!r}")
+    failed = []
+    for script in scripts:
+        print(f"== {script.name}{' --quick' if args.quick else ''} ==", flush=True)
+        cmd = [sys.executable, str(script), *(["--quick"] if args.quick else [])]
+        rc = subprocess.call(cmd, cwd=where.parent)
+        if rc:
+            failed.append(f"{script.name} (exit {rc})")
+        print(flush=True)
+    if failed:
+        print(f"{PROG} bench: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    print(f"{PROG} bench: {len(scripts)} benchmark(s) ran: {', '.join(s.name for s in scripts)}")
+    return 0
+
+
+_COMMANDS = {"demo": _run_demo, "doctor": _run_doctor, "bench": _run_bench}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line `argv` (default: `sys.argv[1:]`) and returns the exit code.
+
+    Bad arguments give a one-line message on stderr and exit code 2.
+    """
+    try:
+        parser = _build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # --help, --version
+            return e.code if isinstance(e.code, int) else 0
+        if args.command is None:
+            raise _UsageError(
+                f"{PROG}: error: a command is required: demo, doctor or bench "
+                f"(see '{PROG} --help')"
+            )
+        return _COMMANDS[args.command](args)
+    except _UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""The `jmp-policy` command: demo, doctor, bench, and errors for bad arguments.
+
+Also `jmp_policy.diagnostics` on gradients with a known answer.
+"""
+
+import math
+import pathlib
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmp_policy import cli, demo, diagnostics
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+RUN_NAMES = [c.name for c in demo.CONFIGS]
+
+
+def assert_png(path: pathlib.Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert len(data) > 1000
+    assert data[12:16] == b"IHDR"
+
+
+def assert_table(out: str) -> None:
+    for column in ("final loss", "test accuracy", "step time", "skipped steps", "final loss scale"):
+        assert column in out, out
+    for name in RUN_NAMES:
+        assert name in out, out
+    # One table row per run, each with an accuracy in percent.
+    rows = [line for line in out.splitlines() if line.startswith(tuple(RUN_NAMES))]
+    assert len(rows) == 4 and all("%" in row for row in rows), out
+
+
+def assert_one_line_error(rc: int, err: str) -> None:
+    assert rc == 2
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "error" in lines[0]
+
+
+# --- demo ------------------------------------------------------------------
+
+
+def test_demo_quick_in_process(tmp_path, capsys):
+    png = tmp_path / "demo.png"
+    rc = cli.main(["demo", "--quick", "--output", str(png)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "Traceback" not in err
+    assert_table(out)
+    assert "2^-24" in out  # it says why float16 without scaling suffers
+    assert f"Wrote {png}" in out
+    assert_png(png)
+
+
+def test_demo_quick_as_module(tmp_path):
+    png = tmp_path / "tmp.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jmp_policy", "demo", "--quick", "--output", str(png)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert_table(proc.stdout)
+    assert_png(png)
+
+
+def _result(name, accuracy, loss=0.01):
+    return demo.RunResult(
+        name=name, policy=demo.CONFIGS[0].policy, losses=np.ones(3), zero_grads=np.zeros(3),
+        loss_scales=np.ones(3), skipped_at=np.zeros(0, np.int64), final_loss=loss,
+        test_accuracy=accuracy, step_ms=1.0, skipped=0, final_loss_scale=1.0, params={},
+    )
+
+
+def test_demo_verdict_is_decided_by_the_numbers():
+    worse = demo._verdict([_result(RUN_NAMES[0], 0.98), _result(RUN_NAMES[1], 0.978),
+                           _result(RUN_NAMES[2], 0.98), _result(RUN_NAMES[3], 0.95, 0.2)])
+    assert "matches float32" in worse[0] and "clearly worse: -3.0 points" in worse[1]
+    same = demo._verdict([_result(n, 0.98) for n in RUN_NAMES])
+    assert "not clearly worse" in same[1]
+    off = demo._verdict([_result(RUN_NAMES[0], 0.98), _result(RUN_NAMES[1], 0.95),
+                         _result(RUN_NAMES[2], 0.98), _result(RUN_NAMES[3], 0.98)])
+    assert "did NOT match" in off[0]
+
+
+def test_demo_batches_are_the_same_for_every_run_and_cover_epochs():
+    data = demo.load_data()
+    a = demo.batches(data, 30, 64, seed=0)
+    np.testing.assert_array_equal(a, demo.batches(data, 30, 64, seed=0))
+    assert a.shape == (30, 64)
+    per_epoch = len(data.x_train) // 64
+    assert len(np.unique(a[:per_epoch])) == per_epoch * 64  # no repeats within an epoch
+
+
+# --- bad arguments -----------------------------------------------------------
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Makes training fail loudly: bad arguments must be caught before it starts."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("training started despite bad arguments")
+
+    monkeypatch.setattr(demo, "run_demo", fail)
+    monkeypatch.setattr(demo, "train", fail)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--steps", "-5"],
+        ["demo", "--steps", "0"],
+        ["demo", "--steps", "ten"],
+        ["demo", "--batch-size", "0"],
+        ["demo", "--loss-multiplier", "-1"],
+        ["doctor", "--steps", "-1"],
+        ["demo", "--output", "/nonexistent-dir-jmp-policy/out.png"],
+        ["doctor", "--output", "/nonexistent-dir-jmp-policy/out.png"],
+        ["frobnicate"],
+        ["demo", "--no-such-option"],
+        [],
+    ],
+    ids=lambda argv: " ".join(argv) or "no-command",
+)
+def test_bad_arguments_give_one_line_and_exit_2(argv, capsys, no_training):
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert_one_line_error(rc, err)
+    assert out == ""
+
+
+def test_output_that_is_a_directory_is_refused(tmp_path, capsys, no_training):
+    rc = cli.main(["demo", "--output", str(tmp_path)])
+    assert_one_line_error(rc, capsys.readouterr().err)
+
+
+def test_output_under_a_file_is_refused(tmp_path, capsys, no_training):
+    (tmp_path / "file").write_text("")
+    rc = cli.main(["demo", "--output", str(tmp_path / "file" / "out.png")])
+    err = capsys.readouterr().err
+    assert_one_line_error(rc, err)
+    assert "is not a directory" in err
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_output_that_cannot_be_opened_is_refused(capsys, no_training):
+    # /proc refuses new files even to root, for whom permission bits do not count.
+    rc = cli.main(["demo", "--output", "/proc/jmp-policy-test.png"])
+    err = capsys.readouterr().err
+    assert_one_line_error(rc, err)
+    assert "not writable" in err
+
+
+def test_writability_check_leaves_no_file_behind(tmp_path, capsys, monkeypatch):
+    png = tmp_path / "out.png"
+    seen = {}
+
+    def fake_run_demo(**kwargs):
+        seen.update(kwargs, existed=png.exists())
+
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    assert cli.main(["demo", "--output", str(png), "--steps", "7", "--batch-size", "3"]) == 0
+    assert seen["steps"] == 7 and seen["batch_size"] == 3 and not seen["existed"]
+
+
+def test_unknown_subcommand_as_module_has_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "jmp_policy", "frobnicate"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert_one_line_error(proc.returncode, proc.stderr)
+    assert "frobnicate" in proc.stderr
+
+
+def test_help_exits_0(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "demo" in capsys.readouterr().out
+
+
+# --- diagnostics ---------------------------------------------------------------
+
+
+def test_diagnose_known_shares():
+    # 8 values: 2 below 2^-24, 2 more below 2^-14, 1 above 65504.
+    g = np.array([2.0**-30, 2.0**-26, 2.0**-20, 2.0**-16, 2.0**-5, 0.125, 1.0, 2.0**17],
+                 np.float32)
+    report = diagnostics.diagnose({"a": jnp.asarray(g), "steps": jnp.int32(3)})
+    (stats,) = report.arrays  # the integer leaf is not a gradient
+    assert stats.path == "a" and stats.shape == (8,)
+    assert stats.f16_underflow == 0.25
+    assert stats.f16_below_normal == 0.5
+    assert stats.f16_overflow == 0.125
+    assert stats.bf16_underflow == stats.bf16_overflow == stats.bf16_below_normal == 0.0
+    assert stats.max_abs == 2.0**17 and stats.min_abs == 2.0**-30
+    assert report.total == stats.__class__(**{**stats.__dict__, "path": "all", "shape": ()})
+    assert report.recommended_policy == "mixed_bfloat16"
+    assert report.recommended_loss_scale is None
+    assert report.log2_counts.sum() == 8
+    text = report.to_text()
+    assert "25.0%" in text and "mixed_bfloat16" in text
+
+
+def test_diagnose_float16_loss_scale_lifts_small_values_without_overflow():
+    g = jnp.array([2.0**-30, 2.0**-20, 2.0**-3], jnp.float32)
+    report = diagnostics.diagnose(g)
+    # 2^-3 * S <= 65504 / 2  ->  S = 2^17; then 2^-30 * 2^17 = 2^-13 survives.
+    assert report.float16_loss_scale == 2.0**17
+    assert report.f16_underflow_scaled == 0.0 and report.f16_overflow_scaled == 0.0
+    assert math.isclose(report.total.f16_underflow, 1 / 3)
+
+
+def test_diagnose_nonfinite_recommends_fixing_first():
+    report = diagnostics.diagnose([jnp.array([1.0, jnp.inf, 0.0, 2.0])])
+    assert report.total.nonfinite == 0.25 and report.total.zero == 0.25
+    assert report.recommended_policy == "float32"
+
+
+def test_diagnose_rejects_gradients_with_arguments():
+    with pytest.raises(TypeError, match="either"):
+        diagnostics.diagnose({"w": jnp.ones(2)}, 1.0)
+
+
+class TinyDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4, use_bias=False)(x)
+
+
+def test_doctor_on_a_model_whose_gradients_underflow(tmp_path):
+    # loss = sum(x @ W), so dL/dW[i, j] = sum over the batch of x[:, i]: exactly
+    # the input. Two of the 8 input features are 2^-30: 25% of the kernel's
+    # gradient values (2 rows of 8) flush to zero in float16.
+    model = TinyDense()
+    x = jnp.asarray(np.array([[2.0**-30, 2.0**-30, 1, 1, 1, 1, 1, 1]], np.float32))
+    params = model.init(jax.random.key(0), x)
+
+    def loss(p, x):
+        return model.apply(p, x).sum()
+
+    report = diagnostics.diagnose(jax.jit(jax.grad(loss)), params, x)
+    (stats,) = report.arrays
+    assert stats.path == "params/Dense_0/kernel" and stats.shape == (8, 4)
+    assert stats.f16_underflow == 0.25
+    assert stats.f16_below_normal == 0.25
+    assert stats.min_abs == 2.0**-30 and stats.max_abs == 1.0
+    # Found inside the jit: the forward product (1, 8) x (8, 4) and the
+    # backward one; M=1 (the batch) and N=4 are not multiples of 8.
+    forward = [m for m in report.matmuls if m.lhs_shape == (1, 8) and m.rhs_shape == (8, 4)]
+    assert len(forward) == 1 and forward[0].misaligned == {"M": 1, "N": 4}
+    assert "Dense_0" in forward[0].name
+    assert len(report.misaligned_matmuls) == len(report.matmuls) == 2
+    assert "not a multiple of 8" in report.to_text()
+    png = tmp_path / "hist.png"
+    diagnostics.plot_histogram(report, png)
+    assert_png(png)
+
+
+def test_find_matmuls_aligned_and_conv():
+    mm = diagnostics.find_matmuls(jnp.dot, jnp.ones((16, 32)), jnp.ones((32, 64)))
+    assert [(m.m, m.n, m.k, m.misaligned) for m in mm] == [(16, 64, 32, {})]
+    conv = diagnostics.find_matmuls(
+        lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME"),
+        jnp.ones((2, 3, 8, 8)), jnp.ones((16, 3, 3, 3)),
+    )
+    (c,) = conv
+    assert (c.m, c.n, c.k) == (2 * 8 * 8, 16, 27) and c.misaligned == {"K": 27}
+
+
+def test_plot_histogram_accepts_gradients(tmp_path):
+    png = tmp_path / "g.png"
+    diagnostics.plot_histogram({"w": jnp.logspace(-12, 2, 100, dtype=jnp.float32)}, png)
+    assert_png(png)
+
+
+def test_doctor_command_on_the_demo_model(tmp_path, capsys):
+    png = tmp_path / "doctor.png"
+    # The batch size of `demo --quick`: the compiled steps of that test are reused.
+    rc = cli.main(["doctor", "--steps", "5", "--batch-size", str(demo.QUICK_BATCH_SIZE),
+                   "--output", str(png), "--no-progress"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    for path in ("params/Dense_0/kernel", "perturbations/logits", "perturbations/hidden_0"):
+        assert path in out
+    assert "Recommended:" in out
+    # The logits layer has 10 outputs: not a multiple of 8.
+    assert "N=10" in out
+    assert_png(png)
+
+
+# --- bench -----------------------------------------------------------------------
+
+
+def test_bench_runs_every_script_and_passes_quick(tmp_path, capfd):
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "a_ratio.py").write_text("import sys\nprint('table a', sys.argv[1:])\n")
+    (bench / "b_ratio.py").write_text("import sys\nprint('table b', sys.argv[1:])\n")
+    (bench / "_helper.py").write_text("raise SystemExit(3)\n")
+    assert cli.main(["bench", "--quick", "--dir", str(bench)]) == 0
+    out = capfd.readouterr().out
+    assert "table a ['--quick']" in out and "table b ['--quick']" in out
+    assert out.index("table a") < out.index("table b")
+
+
+def test_bench_reports_a_failing_script(tmp_path, capfd):
+    (tmp_path / "bad.py").write_text("raise SystemExit(4)\n")
+    assert cli.main(["bench", "--dir", str(tmp_path)]) == 1
+    assert "bad.py (exit 4)" in capfd.readouterr().err
+
+
+def test_bench_without_benchmarks_directory(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_benchmarks_dir", lambda: None)
+    rc = cli.main(["bench"])
+    err = capsys.readouterr().err
+    assert_one_line_error(rc, err)
+    assert "source checkout" in err
