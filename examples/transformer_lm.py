@@ -53,21 +53,29 @@ class Block(nn.Module):
 
     num_heads: int
     mlp_ratio: int = 4
-    dtype: Any = None  # only for the hand-written bfloat16 baseline of the benchmark
+    # Both only for variants of benchmarks/transformer.py: `dtype` for Flax's
+    # hand-written bfloat16, `dot_general` for `jmp_policy.half_dot_general`.
+    dtype: Any = None
+    dot_general: Any = None
 
     @nn.compact
     def __call__(self, x, mask):
         width = x.shape[-1]
+        dense = functools.partial(nn.Dense, dtype=self.dtype, dot_general=self.dot_general)
         h = nn.LayerNorm(dtype=self.dtype)(x)
-        h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dtype=self.dtype)(
-            h, mask=mask
-        )
+        h = nn.MultiHeadDotProductAttention(
+            num_heads=self.num_heads,
+            dtype=self.dtype,
+            qkv_dot_general=self.dot_general,
+            out_dot_general=self.dot_general,
+            attention_fn=functools.partial(
+                nn.dot_product_attention, einsum_dot_general=self.dot_general
+            ),
+        )(h, mask=mask)
         x = x + h
         h = nn.LayerNorm(dtype=self.dtype)(x)
-        h = nn.Dense(self.mlp_ratio * width, dtype=self.dtype)(h)
-        h = nn.gelu(h)
-        h = nn.Dense(width, dtype=self.dtype)(h)
-        return x + h
+        h = nn.gelu(dense(self.mlp_ratio * width)(h))
+        return x + dense(width)(h)
 
 
 class TransformerLM(nn.Module):
@@ -79,6 +87,7 @@ class TransformerLM(nn.Module):
     num_heads: int = 4
     max_len: int = SEQ_LEN
     dtype: Any = None  # left None in the example: `with_policy` decides
+    dot_general: Any = None
 
     @nn.compact
     def __call__(self, tokens):
@@ -87,9 +96,10 @@ class TransformerLM(nn.Module):
         x = x + nn.Embed(self.max_len, self.width, dtype=self.dtype, name="pos_embed")(positions)
         mask = nn.make_causal_mask(tokens)
         for _ in range(self.depth):
-            x = Block(self.num_heads, dtype=self.dtype)(x, mask)
+            x = Block(self.num_heads, dtype=self.dtype, dot_general=self.dot_general)(x, mask)
         x = nn.LayerNorm(dtype=self.dtype)(x)
-        return nn.Dense(self.vocab_size, dtype=self.dtype, name="head")(x)
+        head = nn.Dense(self.vocab_size, dtype=self.dtype, dot_general=self.dot_general, name="head")
+        return head(x)
 
 
 # ---------------------------------------------------------------------------- data

@@ -31,6 +31,12 @@ _LINEN_ENTRIES = ("apply", "init", "init_with_output")
 # which strict dtype promotion rejects; they are written for standard promotion
 # (equinox runs its norms the same way).
 _FLAX_NORMS = (nn.BatchNorm, nn.GroupNorm, nn.InstanceNorm, nn.LayerNorm, nn.RMSNorm)
+# Norms whose only variables are parameters; under a half policy they are
+# recomputed in the backward pass (see `with_policy`). Exact classes: a
+# subclass may add state or submodules.
+_REMAT_NORMS = (nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
+# True inside a rematerialised norm, whose clone already has its policy.
+_IN_REMAT: contextvars.ContextVar[bool] = contextvars.ContextVar("in_remat", default=False)
 
 
 def _compile_rules(rules: Rules | None) -> list[tuple[type | str, Policy]]:
@@ -83,8 +89,40 @@ def _attribute_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
     return {k: v for k, v in overrides.items() if hasattr(module, k)}
 
 
-def _make_interceptor(rules) -> Callable:
+def _rematerialised(module: nn.Module, method_name: str) -> Callable:
+    """The norm's method as a pure function of its parameters under `jax.checkpoint`.
+
+    Only the norm's (half) input and its parameters are saved for the backward
+    pass, instead of the float32 copies of the input that the statistics
+    need. Flax's scope cannot cross a JAX transform, so a detached clone
+    (which keeps the dtype set for this call) is applied to the parameters.
+    """
+    params = module.variables.get("params", {})
+    clone = module.clone(parent=None)
+
+    def norm(params, args, kwargs):
+        token = _IN_REMAT.set(True)
+        try:
+            return clone.apply({"params": params}, *args, method=method_name, **kwargs)
+        finally:
+            _IN_REMAT.reset(token)
+
+    return lambda *args, **kwargs: jax.checkpoint(norm)(params, args, kwargs)
+
+
+def _should_remat(module: nn.Module, method_name: str, policy: Policy) -> bool:
+    return (
+        type(module) in _REMAT_NORMS
+        and method_name == "__call__"
+        and jax.numpy.finfo(policy.compute_dtype).bits < 32
+        and not module.is_initializing()
+    )
+
+
+def _make_interceptor(rules, remat_norms: bool) -> Callable:
     def interceptor(next_fun, args, kwargs, context):
+        if _IN_REMAT.get():
+            return next_fun(*args, **kwargs)
         # `setup` included: parameters created there (nn.Embed's) must take the
         # module's param dtype, also where a rule changes it.
         module = context.module
@@ -101,6 +139,8 @@ def _make_interceptor(rules) -> Callable:
             if isinstance(module, _FLAX_NORMS)
             else contextlib.nullcontext()
         )
+        if remat_norms and _should_remat(module, context.method_name, policy):
+            next_fun = _rematerialised(module, context.method_name)
         try:
             with promotion:
                 return next_fun(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
@@ -125,7 +165,9 @@ def _returns_state(kwargs: dict) -> bool:
     return bool(mutable) or bool(kwargs.get("capture_intermediates", False))
 
 
-def with_policy(fn: Callable, policy: PolicyLike, *, rules: Rules | None = None) -> Callable:
+def with_policy(
+    fn: Callable, policy: PolicyLike, *, rules: Rules | None = None, remat_norms: bool = True
+) -> Callable:
     """Returns `fn` running under a mixed precision policy.
 
     For a Flax linen `model.apply`, every module computes in the compute dtype
@@ -142,7 +184,13 @@ def with_policy(fn: Callable, policy: PolicyLike, *, rules: Rules | None = None)
     in float32 (`force_float32_reductions`) and emit the compute dtype, so the
     next matmul stays in half precision; they run under standard dtype
     promotion, which that float32 lift needs, also where the caller set
-    `jax_numpy_dtype_promotion="strict"`. Attention keeps Flax's own choice
+    `jax_numpy_dtype_promotion="strict"`. That lift makes float32 copies of
+    the input, which JAX would save for the backward pass (more bytes than
+    the half input itself): so `nn.LayerNorm`, `nn.RMSNorm` and `nn.GroupNorm`
+    computing in half precision are rematerialised (`jax.checkpoint`): the
+    backward pass recomputes them from their half input, a few elementwise
+    ops. Same values; `remat_norms=False` turns it off. Float32 norms and
+    initialisation are never rematerialised. Attention keeps Flax's own choice
     (softmax in the compute dtype): Flax's `force_fp32_for_softmax=True` would
     also turn the weights-times-values matmul into float32.
 
@@ -160,6 +208,8 @@ def with_policy(fn: Callable, policy: PolicyLike, *, rules: Rules | None = None)
         or any function of arrays.
       policy: a `Policy` or a spec such as `"mixed_bfloat16"`.
       rules: optional `{module class or path pattern: Policy or spec}`.
+      remat_norms: recompute half-precision norm layers in the backward pass
+        rather than save their float32 intermediates.
 
     Returns:
       The wrapped function. Jit it (`jax.jit(with_policy(...))`): a jitted
@@ -188,7 +238,9 @@ def with_policy(fn: Callable, policy: PolicyLike, *, rules: Rules | None = None)
         raise TypeError(f"with_policy expects a function as its first argument, got {fn!r}.")
     policy = get_policy(policy)
     compiled_rules = _compile_rules(rules)
-    interceptor = _make_interceptor(compiled_rules)
+    if not isinstance(remat_norms, bool):
+        raise TypeError(f"remat_norms must be True or False, got {remat_norms!r}.")
+    interceptor = _make_interceptor(compiled_rules, remat_norms)
     entry = _linen_entry(fn)
     # Rules may store some modules' parameters in another dtype; then each
     # module's `param_dtype` decides and init casts nothing afterwards.

@@ -845,6 +845,107 @@ def test_rules_reach_modules_inside_scan():
 
 
 # --------------------------------------------------------------------------
+# Half-precision norms are rematerialised: recomputed, not saved, for backward.
+
+
+class Norms(nn.Module):
+    """The three parameter-only Flax norms, each after a Dense."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.LayerNorm()(nn.Dense(FEATURES)(x))
+        x = nn.RMSNorm()(nn.Dense(FEATURES)(x))
+        x = nn.GroupNorm(num_groups=4)(nn.Dense(FEATURES)(x))
+        return nn.Dense(4)(x)
+
+
+NORMS_X = np.random.default_rng(3).standard_normal((BATCH, SEQ, FEATURES)).astype(np.float32)
+
+
+def norms_loss(policy, **kwargs):
+    apply = with_policy(Norms().apply, policy, **kwargs)
+    return lambda params: jnp.mean(jnp.square(apply({"params": params}, NORMS_X)))
+
+
+def norms_params():
+    shapes = jax.eval_shape(Norms().init, jax.random.key(0), NORMS_X)
+    return materialize(shapes["params"], seed=4)
+
+
+def saved(loss, params) -> list[tuple[Any, str]]:
+    from jax._src.ad_checkpoint import saved_residuals
+
+    return saved_residuals(loss, params)
+
+
+def checkpoints(loss, params) -> int:
+    """The `jax.checkpoint` equations of the forward program (named remat2 or checkpoint)."""
+    return len(re.findall(r"= (?:remat2|checkpoint)\[", str(jax.make_jaxpr(loss)(params))))
+
+
+def from_norms(residuals, dtype) -> list:
+    return [a for a, where in residuals if a.dtype == dtype and "normalization.py" in where]
+
+
+def test_half_norms_save_no_float32_intermediates():
+    params = norms_params()
+    plain = saved(norms_loss("mixed_bfloat16", remat_norms=False), params)
+    remat = saved(norms_loss("mixed_bfloat16"), params)
+    # Without remat, each norm saves float32 copies of its [2, 8, 16] input.
+    assert len([a for a in from_norms(plain, F32) if a.shape == NORMS_X.shape]) >= 3
+    assert from_norms(remat, F32) == []
+    nbytes = lambda res: sum(a.size * a.dtype.itemsize for a, _ in res)
+    assert nbytes(remat) < nbytes(plain)
+    assert checkpoints(norms_loss("mixed_bfloat16"), params) == 3
+
+
+def test_rematerialised_norms_give_the_same_values_and_grads():
+    params = norms_params()
+    value_and_grad = lambda loss: jax.value_and_grad(loss)(params)
+    remat, plain = jax.jit(
+        lambda: (
+            value_and_grad(norms_loss("mixed_bfloat16")),
+            value_and_grad(norms_loss("mixed_bfloat16", remat_norms=False)),
+        )
+    )()
+    for a, b in zip(jax.tree.leaves(remat), jax.tree.leaves(plain)):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("policy", "kwargs"),
+    [
+        ("f32", {}),  # float32 norms: the program is the user's own
+        ("mixed_bfloat16", {"remat_norms": False}),
+        ("mixed_bfloat16", {"rules": {nn.LayerNorm: "f32", nn.RMSNorm: "f32", nn.GroupNorm: "f32"}}),
+    ],
+    ids=["float32", "off", "float32-rule"],
+)
+def test_norms_not_rematerialised(policy, kwargs):
+    assert checkpoints(norms_loss(policy, **kwargs), norms_params()) == 0
+
+
+def test_rematerialised_norms_inside_scan_and_remat():
+    # LayerNorm, LayerNorm in the scanned Block, the final LayerNorm.
+    for model, expected in ((ScanLM(), 3), (RematLM(), 3)):
+        tokens = _tokens()
+        init = with_policy(model.init, "mixed_bfloat16")
+        params = materialize(jax.eval_shape(init, jax.random.key(0), tokens)["params"])
+        apply = with_policy(model.apply, "mixed_bfloat16")
+        loss = lambda p: apply({"params": p}, tokens, rngs={"dropout": jax.random.key(1)}).sum()
+        assert checkpoints(loss, params) >= expected
+        grads = jax.jit(jax.grad(loss))(params)
+        assert _dtypes(grads) == {F32}
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
+def test_remat_norms_must_be_a_bool():
+    with pytest.raises(TypeError, match="remat_norms must be True or False"):
+        with_policy(Norms().apply, "mixed_bfloat16", remat_norms="yes")
+
+
+# --------------------------------------------------------------------------
 # The jit cache: linen interceptors are not part of jax.jit's cache key.
 
 
