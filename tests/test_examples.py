@@ -4,7 +4,7 @@
   `mixed_bfloat16`, and under `mixed_float16` with `DynamicLossScale`, ends
   within `LOSS_TOLERANCE` of the float32 run (all three start from the same
   parameters and see the same batches).
-* The demo (`examples/train_mlp.py`, what `./run demo` runs) prints a row per
+* The MLP examples (linen `train_mlp.py`, NNX `nnx_mlp.py`) print a row per
   policy with its loss, accuracy, loss scale and skipped steps.
 * `benchmarks/transformer.py --no-time`: the bytes saved for the backward
   pass of the Transformer's loss under `with_policy(mixed_bfloat16)` are at
@@ -167,3 +167,25 @@ def test_every_train_step_matmul_is_half_and_the_accumulating_paths_give_float32
     assert rows["float32"][:3] == (51, "0%", "100%")
     assert rows["flax dtype=bf16"][:3] == rows["with_policy"][:3] == (51, "100%", "0%")
     assert rows["autocast"][:3] == rows["with_policy+f32acc"][:3] == (51, "100%", "100%")
+
+
+def test_nnx_example_prints_a_row_per_policy(capsys):
+    nnx_mlp = _load("examples/nnx_mlp.py", "nnx_mlp")
+    results = nnx_mlp.main(["--steps", "40"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "NNX" in lines[0] and "40 Adam steps" in lines[0]
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith(("float", "mixed"))}
+    assert list(rows) == ["float32", "mixed_bfloat16", "mixed_float16"]
+    expected_compute = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
+    for name, row in rows.items():
+        r = results[name]
+        assert row[1] == f"{r['final_loss']:.4f}"
+        assert row[4] == str(r["skipped"]) == "0"
+        assert row[5] == r["compute_dtype"] == expected_compute[name]
+        assert row[6] == "float32"  # parameters and BatchNorm statistics
+        assert r["accuracy"] > 0.3  # 10 classes: chance is 0.1
+        assert np.isfinite(r["losses"]).all()
+    assert rows["mixed_float16"][3] == "32768"
+    # The half runs follow float32 (same batches, same initial parameters).
+    for name in ("mixed_bfloat16", "mixed_float16"):
+        assert abs(results[name]["final_loss"] - results["float32"]["final_loss"]) < 0.05
