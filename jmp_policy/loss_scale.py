@@ -267,8 +267,8 @@ class DynamicLossScale(LossScale):
         `period < 1`, `factor <= 1`, `hysteresis < 1`, a counter outside
         `[0, period)`, `overflows` without `hysteresis > 1`, or bounds that
         do not hold the scale.
-        The scale's value is checked when given as a Python or NumPy number;
-        a `jax.Array` is taken as is (reading it would wait for the device).
+        The scale's value is checked when it is concrete (a number or an
+        array); a traced value (built inside `jax.jit`) is taken as is.
 
     >>> import jax.numpy as jnp
     >>> import jmp_policy as jmp
