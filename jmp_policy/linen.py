@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import fnmatch
 import functools
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 
 from jmp_policy.policy import Policy, get_policy
+from jmp_policy.rules import Rules, compile_rules, specificity
 
 PolicyLike = Policy | str
-Rules = Mapping[type | str, PolicyLike]
 
 # The policy of the module being called; children without a rule inherit it.
 _ACTIVE_POLICY: contextvars.ContextVar[Policy] = contextvars.ContextVar("policy")
@@ -39,46 +38,11 @@ _REMAT_NORMS = (nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
 _IN_REMAT: contextvars.ContextVar[bool] = contextvars.ContextVar("in_remat", default=False)
 
 
-def _compile_rules(rules: Rules | None) -> list[tuple[type | str, Policy]]:
-    if rules is None:
-        return []
-    if not isinstance(rules, Mapping):
-        raise TypeError(f"rules must be a mapping of module class or path pattern to policy, got {rules!r}.")
-    compiled = []
-    for key, value in rules.items():
-        is_class = isinstance(key, type) and issubclass(key, nn.Module)
-        if not (is_class or (isinstance(key, str) and key)):
-            raise TypeError(
-                "rules keys must be a flax.linen.Module subclass or a non-empty module "
-                f"path pattern such as 'decoder/*/LayerNorm_*', got {key!r}."
-            )
-        if not isinstance(value, (Policy, str)):
-            raise TypeError(
-                f"rules[{key!r}] must be a Policy or a policy spec string such as "
-                f"'p=f32,c=f32,o=f32', got {value!r}."
-            )
-        compiled.append((key, get_policy(value)))
-    return compiled
-
-
-def _specificity(key: type | str, module: nn.Module, path: str) -> tuple[int, int] | None:
-    """How well a rule matches a module (higher wins), or None if it does not."""
-    if isinstance(key, str):
-        if not fnmatch.fnmatchcase(path, key):
-            return None
-        # A path beats any class; among paths, more literal characters win.
-        return (1, sum(c not in "*?[]" for c in key))
-    if not isinstance(module, key):
-        return None
-    # Among classes, the one nearest in the module's MRO wins.
-    return (0, -type(module).__mro__.index(key))
-
-
 def _module_policy(module: nn.Module, rules, inherited: Policy) -> Policy:
     path = "/".join(str(p) for p in module.path)
     best, best_score = inherited, None
     for key, policy in rules:
-        score = _specificity(key, module, path)
+        score = specificity(key, module, path)
         if score is not None and (best_score is None or score > best_score):
             best, best_score = policy, score  # Ties: the rule listed first wins.
     return best
@@ -237,7 +201,7 @@ def with_policy(
     if not callable(fn):
         raise TypeError(f"with_policy expects a function as its first argument, got {fn!r}.")
     policy = get_policy(policy)
-    compiled_rules = _compile_rules(rules)
+    compiled_rules = compile_rules(rules, nn.Module, "decoder/*/LayerNorm_*")
     if not isinstance(remat_norms, bool):
         raise TypeError(f"remat_norms must be True or False, got {remat_norms!r}.")
     interceptor = _make_interceptor(compiled_rules, remat_norms)

@@ -17,45 +17,19 @@ traces again for a module under another policy (no stale trace).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 from flax import nnx
 
-from jmp_policy.linen import _specificity
 from jmp_policy.loss_scale import LossScale
 from jmp_policy.optimizer import get_loss_scale as _get_loss_scale
 from jmp_policy.policy import Policy, get_policy
+from jmp_policy.rules import Rules, compile_rules, specificity
 
 M = TypeVar("M", bound=nnx.Module)
 PolicyLike = Policy | str
-Rules = Mapping[type | str, PolicyLike]
 PathParts = tuple[Any, ...]
-
-
-def _compile_rules(rules: Rules | None) -> list[tuple[type | str, Policy]]:
-    if rules is None:
-        return []
-    if not isinstance(rules, Mapping):
-        raise TypeError(
-            "rules must be a mapping of nnx.Module class or module path pattern "
-            f"to policy, got {rules!r}."
-        )
-    compiled = []
-    for key, value in rules.items():
-        is_class = isinstance(key, type) and issubclass(key, nnx.Module)
-        if not (is_class or (isinstance(key, str) and key)):
-            raise TypeError(
-                "rules keys must be a flax.nnx.Module subclass (e.g. nnx.LayerNorm) or "
-                f"a non-empty module path pattern such as 'blocks/*/norm', got {key!r}."
-            )
-        if not isinstance(value, (Policy, str)):
-            raise TypeError(
-                f"rules[{key!r}] must be a Policy or a policy spec string such as "
-                f"'f32' or 'p=f32,c=bf16,o=f32', got {value!r}."
-            )
-        compiled.append((key, get_policy(value)))
-    return compiled
 
 
 # Norms compute in at least float32 unless a rule names them: their statistics
@@ -92,7 +66,7 @@ def _module_policies(module: nnx.Module, rules, policy: Policy) -> dict[PathPart
         inherited = resolved[_nearest_prefix(path, resolved)] if path else policy
         best, best_score = inherited, None
         for key, rule_policy in rules:
-            score = _specificity(key, modules[path], _path_str(path))
+            score = specificity(key, modules[path], _path_str(path))
             if score is None:
                 continue
             if isinstance(key, str):
@@ -189,7 +163,7 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
             "for a linen model.apply or a plain function use jmp_policy.with_policy."
         )
     policy = get_policy(policy)
-    compiled = _compile_rules(rules)
+    compiled = compile_rules(rules, nnx.Module, "blocks/*/norm")
     mixed = nnx.clone(module)
     policies = _module_policies(mixed, compiled, policy)
     modules = dict(nnx.iter_modules(mixed))

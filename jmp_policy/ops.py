@@ -428,12 +428,14 @@ def _product_rule(eqn, invals, rules):
         # The program asked for a half result: JAX's own backward is half too.
         return _bind(eqn, [_cast(lhs, c), _cast(rhs, c)])
 
-    def product(a, b, pet):
-        return _bind(eqn, [a, b], {**eqn.params, "preferred_element_type": pet})
-
     if eqn.primitive is _prims.dot_general_p:
         p = eqn.params
         product = _dot_product(p["dimension_numbers"], p["precision"], p.get("out_sharding"))
+    else:
+
+        def product(a, b, pet):
+            return _bind(eqn, [a, b], {**eqn.params, "preferred_element_type": pet})
+
     if rules.products == "keep":
         return product(_cast(lhs, c), _cast(rhs, c), _F32)
     if rules.products == "plain" or c.itemsize >= _F32.itemsize:
