@@ -3,6 +3,7 @@
 Also `jmp_policy.diagnostics` on gradients with a known answer.
 """
 
+import io
 import math
 import pathlib
 import subprocess
@@ -70,6 +71,23 @@ def test_demo_quick_as_module(tmp_path):
     assert "Traceback" not in proc.stderr
     assert_table(proc.stdout)
     assert_png(png)
+
+
+@pytest.mark.slow
+def test_default_demo_shows_the_result_of_the_paper(tmp_path):
+    # The default setup, as `./run demo` runs it (about 20 s here): both mixed
+    # runs with scaling within 1 point of float32, float16 without scaling far
+    # below, as Micikevicius et al. (2018) found.
+    out = io.StringIO()
+    results = demo.run_demo(output=tmp_path / "demo.png", progress=False, out=out)
+    accuracy = {r.name: 100 * r.test_accuracy for r in results}
+    f32, bf16, f16, f16_unscaled = (accuracy[name] for name in RUN_NAMES)
+    assert f32 > 95, out.getvalue()
+    assert abs(bf16 - f32) <= 1 and abs(f16 - f32) <= 1, accuracy
+    assert f16_unscaled < f32 - 10, accuracy
+    assert sum(r.skipped for r in results) == 0
+    assert "clearly worse" in out.getvalue()
+    assert_png(tmp_path / "demo.png")
 
 
 def _result(name, accuracy, loss=0.01):
