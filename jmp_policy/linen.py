@@ -103,9 +103,9 @@ def _make_interceptor(rules, remat_norms: bool) -> Callable:
             if isinstance(module, _FLAX_NORMS)
             else contextlib.nullcontext()
         )
-        if remat_norms and _should_remat(module, context.method_name, policy):
-            next_fun = _rematerialised(module, context.method_name)
         try:
+            if remat_norms and _should_remat(module, context.method_name, policy):
+                next_fun = _rematerialised(module, context.method_name)
             with promotion:
                 return next_fun(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
         finally:
