@@ -490,3 +490,39 @@ def test_noop_adds_only_the_finiteness_check_and_select(strict):
     grads = {"w": jnp.arange(4.0), "b": jnp.ones(2, jnp.bfloat16)}
     updates, _ = jax.jit(tx.update)(grads, state, params)
     assert_bitwise_equal(updates, inner.update(grads, inner.init(params), params)[0])
+
+
+# --- Scales below 1: unscaling itself can overflow ---------------------------------
+
+BIG = 3e38  # finite in float32; divided by 0.5 it is not
+
+
+@pytest.mark.parametrize(
+    "loss_scale",
+    [jmp.StaticLossScale(0.5), jmp.DynamicLossScale(0.5, min_loss_scale=0.25)],
+    ids=["static", "dynamic"],
+)
+@pytest.mark.parametrize("leaf", ["real", "complex"])
+def test_gradient_that_overflows_when_unscaled_is_skipped(loss_scale, leaf, strict):
+    # A scale below 1 is the one case where finite gradients unscale to
+    # non-finite ones: the check must read the unscaled gradients.
+    big = jnp.float32(BIG) if leaf == "real" else jnp.complex64(1 + BIG * 1j)
+    dtype = jnp.float32 if leaf == "real" else jnp.complex64
+    params = {"w": jnp.ones(3, dtype), "b": jnp.ones(2, jnp.float32)}
+    tx = jmp.loss_scaled(optax.sgd(0.1, momentum=0.9), loss_scale)
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    # A finite step first, so that the momentum is not zero.
+    grads = {"w": jnp.full(3, 0.25, dtype), "b": jnp.full(2, 0.25, jnp.float32)}
+    _, state = step(grads, state, params)
+    overflowing = {"w": grads["w"].at[1].set(big), "b": grads["b"]}
+    updates, new_state = step(overflowing, state, params)
+    assert int(new_state.total_notfinite) == 1
+    assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates))
+    for a, b in zip(jax.tree.leaves(new_state.inner_state), jax.tree.leaves(state.inner_state)):
+        np.testing.assert_array_equal(a, b)
+    # Half the size fits after unscaling: applied.
+    fitting = {"w": grads["w"].at[1].set(big * float(loss_scale.loss_scale) / 2), "b": grads["b"]}
+    _, fit_state = step(fitting, state, params)
+    assert int(fit_state.total_notfinite) == 0
+
