@@ -34,8 +34,6 @@ _FLAX_NORMS = (nn.BatchNorm, nn.GroupNorm, nn.InstanceNorm, nn.LayerNorm, nn.RMS
 # recomputed in the backward pass (see `with_policy`). Exact classes: a
 # subclass may add state or submodules.
 _REMAT_NORMS = (nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
-# True inside a rematerialised norm, whose clone already has its policy.
-_IN_REMAT: contextvars.ContextVar[bool] = contextvars.ContextVar("in_remat", default=False)
 
 
 def _module_policy(module: nn.Module, rules, inherited: Policy) -> Policy:
@@ -53,25 +51,15 @@ def _attribute_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
     return {k: v for k, v in overrides.items() if hasattr(module, k)}
 
 
-def _rematerialised(module: nn.Module, method_name: str) -> Callable:
-    """The norm's method as a pure function of its parameters under `jax.checkpoint`.
+def _rematerialised(next_fun: Callable) -> Callable:
+    """`next_fun` under `jax.checkpoint`: its internals are recomputed, not saved.
 
     Only the norm's (half) input and its parameters are saved for the backward
     pass, instead of the float32 copies of the input that the statistics
-    need. Flax's scope cannot cross a JAX transform, so a detached clone
-    (which keeps the dtype set for this call) is applied to the parameters.
+    need. Flax lets a module read its variables inside a JAX transform (not
+    create them: `_should_remat` leaves those calls alone).
     """
-    params = module.variables.get("params", {})
-    clone = module.clone(parent=None)
-
-    def norm(params, args, kwargs):
-        token = _IN_REMAT.set(True)
-        try:
-            return clone.apply({"params": params}, *args, method=method_name, **kwargs)
-        finally:
-            _IN_REMAT.reset(token)
-
-    return lambda *args, **kwargs: jax.checkpoint(norm)(params, args, kwargs)
+    return lambda *args, **kwargs: jax.checkpoint(lambda: next_fun(*args, **kwargs))()
 
 
 def _should_remat(module: nn.Module, method_name: str, policy: Policy) -> bool:
@@ -80,13 +68,12 @@ def _should_remat(module: nn.Module, method_name: str, policy: Policy) -> bool:
         and method_name == "__call__"
         and jax.numpy.finfo(policy.compute_dtype).bits < 32
         and not module.is_initializing()
+        and not module.is_mutable_collection("params")
     )
 
 
 def _make_interceptor(rules, remat_norms: bool) -> Callable:
     def interceptor(next_fun, args, kwargs, context):
-        if _IN_REMAT.get():
-            return next_fun(*args, **kwargs)
         # `setup` included: parameters created there (nn.Embed's) must take the
         # module's param dtype, also where a rule changes it.
         module = context.module
@@ -105,7 +92,7 @@ def _make_interceptor(rules, remat_norms: bool) -> Callable:
         )
         try:
             if remat_norms and _should_remat(module, context.method_name, policy):
-                next_fun = _rematerialised(module, context.method_name)
+                next_fun = _rematerialised(next_fun)
             with promotion:
                 return next_fun(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
         finally:
@@ -153,8 +140,11 @@ def with_policy(
     the half input itself): so `nn.LayerNorm`, `nn.RMSNorm` and `nn.GroupNorm`
     computing in half precision are rematerialised (`jax.checkpoint`): the
     backward pass recomputes them from their half input, a few elementwise
-    ops. Same values; `remat_norms=False` turns it off. Float32 norms and
-    initialisation are never rematerialised. Attention keeps Flax's own choice
+    ops. The forward values are the same; gradients agree up to half
+    precision rounding (XLA may fuse the recomputation differently).
+    `remat_norms=False` turns it off. Only these exact classes (a subclass
+    may hold other state), never float32 norms, and never while parameters
+    are being created (`init`, or `apply` with mutable params). Attention keeps Flax's own choice
     (softmax in the compute dtype): Flax's `force_fp32_for_softmax=True` would
     also turn the weights-times-values matmul into float32.
 

@@ -940,6 +940,38 @@ def test_rematerialised_norms_inside_scan_and_remat():
         assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
 
 
+def test_user_interceptors_see_each_norm_once():
+    # The norm runs once, through the whole interceptor chain, under remat.
+    seen = []
+
+    def log_and_shift(next_fun, args, kwargs, context):
+        seen.append((type(context.module).__name__, context.module.path))
+        out = next_fun(*args, **kwargs)
+        return out + 1 if isinstance(context.module, nn.LayerNorm) else out
+
+    params = norms_params()
+    apply = with_policy(Norms().apply, "mixed_bfloat16")
+    with nn.intercept_methods(log_and_shift):
+        shifted = jax.jit(lambda p: apply({"params": p}, NORMS_X))(params)
+    assert [name for name, _ in seen].count("LayerNorm") == 1
+    assert ("LayerNorm", ("LayerNorm_0",)) in seen
+    plain = jax.jit(lambda p: apply({"params": p}, NORMS_X))(params)
+    assert not np.allclose(shifted, plain)
+
+
+def test_apply_that_creates_parameters_is_not_rematerialised():
+    # Flax cannot create variables inside a JAX transform: an apply with
+    # mutable params (as init) runs the norms as they are.
+    apply = with_policy(Norms().apply, "mixed_bfloat16")
+    rngs = {"params": jax.random.key(0)}
+    _, created = jax.eval_shape(lambda: apply({}, NORMS_X, rngs=rngs, mutable=True))
+    assert set(created["params"]) == set(norms_params())
+    # A tree that gains a norm: the existing ones are read, the new one created.
+    existing = {k: v for k, v in norms_params().items() if k != "GroupNorm_0"}
+    _, grown = apply({"params": existing}, NORMS_X, rngs=rngs, mutable=["params"])
+    assert _dtypes(grown["params"]["GroupNorm_0"]) == {F32}
+
+
 def test_remat_norms_must_be_a_bool():
     with pytest.raises(TypeError, match="remat_norms must be True or False"):
         with_policy(Norms().apply, "mixed_bfloat16", remat_norms="yes")
