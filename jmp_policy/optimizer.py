@@ -99,6 +99,9 @@ def loss_scaled(
         grads = state.loss_scale.unscale(grads)
         finite = all_finite(grads, axis_name=axis_name)
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+        # Half parameters get float32 gradients (unscaling is in float32), from
+        # which optax computes float32 moments: store them as they were.
+        inner_state = jax.tree.map(_as_dtype_of, inner_state, state.inner_state)
         # -0.0, not 0.0: p + (-0.0) == p bit for bit, signed zeros included.
         skip_updates = jax.tree.map(lambda u: jnp.full_like(u, -0.0), updates)
         updates = select_tree(finite, updates, skip_updates)
@@ -112,6 +115,12 @@ def loss_scaled(
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _as_dtype_of(new: Any, old: Any) -> Any:
+    if hasattr(new, "dtype") and hasattr(old, "dtype") and new.dtype != old.dtype:
+        return new.astype(old.dtype)
+    return new
 
 
 def get_loss_scale(opt_state: Any) -> LossScale:

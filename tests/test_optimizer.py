@@ -526,3 +526,40 @@ def test_gradient_that_overflows_when_unscaled_is_skipped(loss_scale, leaf, stri
     _, fit_state = step(fitting, state, params)
     assert int(fit_state.total_notfinite) == 0
 
+
+
+# --- Half-precision parameters -------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize(
+    ("inner", "loss_scale"),
+    [
+        (optax.adam(1e-2), jmp.DynamicLossScale(2.0**10)),
+        (optax.sgd(0.1, momentum=0.9), jmp.StaticLossScale(2.0**10)),
+    ],
+    ids=["adam-dynamic", "sgd-static"],
+)
+def test_half_parameters_keep_their_state_dtypes(dtype, inner, loss_scale):
+    # Unscaled gradients are float32; the optimizer state stays in the dtype
+    # optax created it in (the parameters'), on taken and on skipped steps.
+    params = {"w": jnp.ones(4, dtype), "b": jnp.zeros(2, dtype)}
+    tx = jmp.loss_scaled(inner, loss_scale)
+    state = tx.init(params)
+    dtypes = jax.tree.map(lambda x: x.dtype, state.inner_state)
+    step = jax.jit(tx.update)
+    grads = {"w": jnp.full(4, 2.0**8, dtype), "b": jnp.full(2, -(2.0**8), dtype)}  # scaled by 2^10
+    updates, state = step(grads, state, params)
+    assert jax.tree.map(lambda x: x.dtype, state.inner_state) == dtypes
+    params = optax.apply_updates(params, updates)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype(dtype)}
+    assert float(params["w"][0]) < 1.0 and float(params["b"][0]) > 0.0
+    bad = {"w": grads["w"].at[0].set(jnp.nan), "b": grads["b"]}
+    skipped_updates, skipped = step(bad, state, params)
+    assert int(skipped.total_notfinite) == 1
+    for a, b in zip(jax.tree.leaves(skipped.inner_state), jax.tree.leaves(state.inner_state)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        assert a.dtype == b.dtype
+    after = optax.apply_updates(params, skipped_updates)
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
