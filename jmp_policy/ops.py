@@ -194,6 +194,27 @@ def _accumulating_product(product, lhs, rhs, compute_dtype, out_dtype):
     return f(lhs, rhs)
 
 
+_HALF_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+def _half_compute_dtype(compute_dtype, lhs, rhs) -> np.dtype:
+    """`compute_dtype` checked, or by default the operands' half dtype (else bfloat16)."""
+    if compute_dtype is None:
+        # float16 operands stay float16: bfloat16 would drop 3 mantissa bits.
+        halves = [x.dtype for x in (lhs, rhs) if x.dtype in _HALF_DTYPES]
+        return np.dtype(halves[0]) if halves else _HALF_DTYPES[0]
+    try:
+        dtype = np.dtype(compute_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in _HALF_DTYPES:
+        raise TypeError(
+            f"compute_dtype must be jnp.bfloat16, jnp.float16 or None (the operands' "
+            f"half dtype, else bfloat16), got {compute_dtype!r}."
+        )
+    return dtype
+
+
 def _result_dtype(lhs, rhs, preferred_element_type) -> np.dtype:
     if preferred_element_type is not None:
         return np.dtype(preferred_element_type)
@@ -208,7 +229,7 @@ def half_dot_general(
     preferred_element_type=None,
     *,
     out_sharding=None,
-    compute_dtype=jnp.bfloat16,
+    compute_dtype=None,
 ):
     """`lax.dot_general` on half operands with float32 accumulation in both passes.
 
@@ -220,15 +241,21 @@ def half_dot_general(
     backward pass. A `jax.custom_vjp` makes the two backward products
     half x half with float32 accumulation as well, and returns cotangents in the
     operands' own dtypes. Non-floating operands fall back to `lax.dot_general`.
-    For float16, use `functools.partial(half_dot_general, compute_dtype=jnp.float16)`.
+    By default the product runs in the operands' half dtype (float16 under a
+    float16 policy, bfloat16 under a bfloat16 one) and in bfloat16 for
+    float32 operands; `compute_dtype` fixes it.
 
     Args:
       lhs, rhs, dimension_numbers, precision, preferred_element_type,
         out_sharding: as in `lax.dot_general`.
-      compute_dtype: the dtype the operands are multiplied in.
+      compute_dtype: the dtype the operands are multiplied in: jnp.bfloat16,
+        jnp.float16, or None for the operands' half dtype (else bfloat16).
 
     Returns:
       The product, in the dtype `lax.dot_general` would give.
+
+    Raises:
+      TypeError: if `compute_dtype` is not a half dtype or None.
 
     >>> import jax, jax.numpy as jnp
     >>> from jmp_policy.ops import half_dot_general
@@ -245,9 +272,10 @@ def half_dot_general(
                                out_sharding=out_sharding)  # fmt: skip
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
+    compute = _half_compute_dtype(compute_dtype, lhs, rhs)
 
     product = _dot_product(dims, precision, out_sharding)
-    return _accumulating_product(product, lhs, rhs, np.dtype(compute_dtype), out_dtype)
+    return _accumulating_product(product, lhs, rhs, compute, out_dtype)
 
 
 def half_conv_general_dilated(
@@ -263,7 +291,7 @@ def half_conv_general_dilated(
     precision=None,
     preferred_element_type=None,
     *,
-    compute_dtype=jnp.bfloat16,
+    compute_dtype=None,
 ):
     """`lax.conv_general_dilated` on half operands, float32 accumulation in both passes.
 
@@ -274,7 +302,7 @@ def half_conv_general_dilated(
       lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
         dimension_numbers, feature_group_count, batch_group_count, precision,
         preferred_element_type: as in `lax.conv_general_dilated`.
-      compute_dtype: the dtype the operands are multiplied in.
+      compute_dtype: as in `half_dot_general`.
 
     Returns:
       The convolution, in the dtype `lax.conv_general_dilated` would give.
@@ -296,7 +324,8 @@ def half_conv_general_dilated(
         return product(lhs, rhs, preferred_element_type)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
-    return _accumulating_product(product, lhs, rhs, np.dtype(compute_dtype), out_dtype)
+    compute = _half_compute_dtype(compute_dtype, lhs, rhs)
+    return _accumulating_product(product, lhs, rhs, compute, out_dtype)
 
 
 # --------------------------------------------------------------------------

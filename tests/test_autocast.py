@@ -406,6 +406,28 @@ class TestHalfDotGeneral:
         f16 = functools.partial(half_dot_general, compute_dtype=jnp.float16)
         assert_half_products(lambda a, b: f16(a, b, dims), X, W1, count=1, half="f16")
 
+    def test_compute_dtype_defaults_to_the_operands_half_dtype(self):
+        dims = (((1,), (0,)), ((), ()))
+        dot = lambda a, b: half_dot_general(a, b, dims)
+        # float16 operands (a float16 policy) multiply in float16, not bfloat16.
+        f16x, f16w = X.astype(jnp.float16), W1.astype(jnp.float16)
+        assert_half_products(jax.grad(lambda a, b: jnp.sin(dot(a, b)).sum(), (0, 1)), f16x, f16w,
+                             count=3, half="f16")  # fmt: skip
+        x = jnp.asarray(np.full((1, 2), 1 + 2.0**-9, np.float16))  # exact in f16, not bf16
+        assert float(dot(x, jnp.ones((2, 1), jnp.float16))[0, 0]) == 2 + 2.0**-8
+        # One half operand decides; float32 operands multiply in bfloat16.
+        assert_half_products(dot, f16x, W1, count=1, half="f16")
+        assert_half_products(dot, X, W1, count=1, half="bf16")
+
+    @pytest.mark.parametrize("bad", [jnp.float32, "bf16", jnp.int8, 3])
+    def test_bad_compute_dtype(self, bad):
+        with pytest.raises(TypeError, match="compute_dtype must be jnp.bfloat16, jnp.float16"):
+            half_dot_general(X, W1, (((1,), (0,)), ((), ())), compute_dtype=bad)
+        with pytest.raises(TypeError, match="compute_dtype"):
+            half_conv_general_dilated(
+                jnp.ones((1, 2, 5)), jnp.ones((3, 2, 2)), (1,), "VALID", compute_dtype=bad
+            )
+
     def test_flax_linen_dense(self):
         x = normal(16, 8, 16)
         model, half_model = MLP(), MLP(dot_general=half_dot_general)
