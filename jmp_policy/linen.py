@@ -111,6 +111,17 @@ def _linen_entry(fn: Callable) -> str | None:
     return None
 
 
+def _split_first(entry: str, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    """`(variables or rngs, other args, other kwargs)`, given by position or by name."""
+    if args:
+        return args[0], args[1:], kwargs
+    name = "variables" if entry == "apply" else "rngs"
+    if name not in kwargs:
+        raise TypeError(f"{entry}() missing its first argument, {name!r}.")
+    kwargs = dict(kwargs)
+    return kwargs.pop(name), (), kwargs
+
+
 def _returns_state(kwargs: dict) -> bool:
     mutable = kwargs.get("mutable", False)
     return bool(mutable) or bool(kwargs.get("capture_intermediates", False))
@@ -210,8 +221,9 @@ def with_policy(
                     return policy.cast_to_output(fn(*args, **kwargs))
                 # The first argument is the variables (apply) or the PRNG key
                 # (init): variables keep their dtypes; modules cast parameters.
-                first, rest = args[0], policy.cast_to_compute(args[1:])
-                result = fn(first, *rest, **policy.cast_to_compute(kwargs))
+                first, args, kwargs = _split_first(entry, args, kwargs)
+                args, kwargs = policy.cast_to_compute((args, kwargs))
+                result = fn(first, *args, **kwargs)
         finally:
             _ACTIVE_POLICY.reset(token)
         if entry == "init":

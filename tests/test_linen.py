@@ -427,6 +427,17 @@ def test_init_with_output(policy, dtype):
     assert compute_dtypes(found) == [BF16] * 9
 
 
+def test_variables_and_rngs_by_keyword():
+    model, x = nn.Dense(4), np.ones((2, 3), np.float32)
+    init = with_policy(model.init, "bf16")
+    variables = jax.eval_shape(lambda: init(rngs=jax.random.key(0), inputs=x))
+    assert _dtypes(variables) == {BF16}
+    out = jax.eval_shape(lambda: with_policy(model.apply, "bf16")(variables=variables, inputs=x))
+    assert out.dtype == BF16
+    with pytest.raises(TypeError, match="apply\\(\\) missing its first argument, 'variables'"):
+        with_policy(model.apply, "bf16")(inputs=x)
+
+
 class AutoEncoder(nn.Module):
     def setup(self):
         self.encoder = nn.Dense(4)
