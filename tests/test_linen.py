@@ -432,7 +432,7 @@ def test_variables_and_rngs_by_keyword():
     init = with_policy(model.init, "bf16")
     variables = jax.eval_shape(lambda: init(rngs=jax.random.key(0), inputs=x))
     assert _dtypes(variables) == {BF16}
-    out = jax.eval_shape(lambda: with_policy(model.apply, "bf16")(variables=variables, inputs=x))
+    out = jax.eval_shape(lambda v: with_policy(model.apply, "bf16")(variables=v, inputs=x), variables)
     assert out.dtype == BF16
     with pytest.raises(TypeError, match="apply\\(\\) missing its first argument, 'variables'"):
         with_policy(model.apply, "bf16")(inputs=x)
