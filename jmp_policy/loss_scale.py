@@ -209,9 +209,12 @@ class StaticLossScale(LossScale):
 
     def __post_init__(self):
         value = _static_float(self.loss_scale, "loss_scale")
-        if not (math.isfinite(value) and value >= 0):
+        # Used in float32: beyond its range the scale would be inf or 0, and
+        # every step skipped or every gradient zero.
+        if not (value == 0 or _TINY <= value <= _F32_MAX):
             raise ValueError(
-                f"loss_scale must be a non-negative finite number, got {value}."
+                f"loss_scale must be 0 or a positive float32 number in [{_TINY:g}, "
+                f"{_F32_MAX:g}], got {value}."
             )
         if value == 0:
             # jmp accepts it (its own tests build one); it zeroes every gradient.
@@ -265,7 +268,8 @@ class DynamicLossScale(LossScale):
         integer scalar, or a hyperparameter given as a string or a bool.
       ValueError: for a non-positive, non-finite or non-scalar scale,
         `period < 1`, `factor <= 1`, `hysteresis < 1`, a counter outside
-        `[0, period)`, `overflows` without `hysteresis > 1`, or bounds that
+        `[0, period)`, `overflows` outside `[0, hysteresis)` or without
+        `hysteresis > 1`, or bounds that
         do not hold the scale.
         The scale's value is checked when it is concrete (a number or an
         array); a traced value (built inside `jax.jit`) is taken as is.
@@ -297,7 +301,7 @@ class DynamicLossScale(LossScale):
         set_("loss_scale", _as_float32_scale(self.loss_scale, "loss_scale", True))
         set_("counter", _as_int32_scalar(self.counter, "counter"))
         period = _static_float(self.period, "period")
-        if not (period >= 1 and period == int(period)):
+        if not (math.isfinite(period) and period >= 1 and period == int(period)):
             raise ValueError(f"period must be an integer >= 1, got {self.period!r}.")
         set_("period", int(period))
         # A jax.Array counter (e.g. from an eager `adjust`) is not read back.
@@ -319,9 +323,12 @@ class DynamicLossScale(LossScale):
         set_("min_loss_scale", lo)
         set_("max_loss_scale", hi)
         hysteresis = self.hysteresis
-        is_int = isinstance(hysteresis, int) and not isinstance(hysteresis, bool)
-        if not (is_int and hysteresis >= 1):
+        if not isinstance(hysteresis, numbers.Integral) or isinstance(hysteresis, (bool, np.bool_)):
+            raise TypeError(f"hysteresis must be an integer >= 1, got {hysteresis!r}.")
+        if hysteresis < 1:
             raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}.")
+        hysteresis = int(hysteresis)
+        set_("hysteresis", hysteresis)
         if self.overflows is None:
             if hysteresis > 1:
                 set_("overflows", np.zeros([], np.int32))
@@ -332,7 +339,15 @@ class DynamicLossScale(LossScale):
                 "with hysteresis=1."
             )
         else:
-            set_("overflows", _as_int32_scalar(self.overflows, "overflows"))
+            given_overflows = self.overflows
+            set_("overflows", _as_int32_scalar(given_overflows, "overflows"))
+            if not isinstance(given_overflows, jax.Array) and not (
+                0 <= int(given_overflows) < hysteresis
+            ):
+                raise ValueError(
+                    f"overflows must be in [0, hysteresis) = [0, {hysteresis}), "
+                    f"got {given_overflows!r}."
+                )
         if _is_concrete_scalar(given_scale):
             scale = float(given_scale)
             if not lo <= scale <= hi:

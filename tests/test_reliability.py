@@ -752,11 +752,18 @@ _BAD_LOSS_SCALES = [
     (lambda: _Dyn(2.0, min_loss_scale=-1.0), ValueError, "min_loss_scale"),
     (lambda: _Dyn(2.0, min_loss_scale="1"), TypeError, "min_loss_scale"),
     (lambda: _Dyn(2.0, max_loss_scale=float("nan")), ValueError, "max_loss_scale"),
-    (lambda: _Dyn(2.0, hysteresis=True), ValueError, "hysteresis"),
-    (lambda: _Dyn(2.0, hysteresis=2.0), ValueError, "hysteresis"),
+    (lambda: _Dyn(2.0, period=float("inf")), ValueError, "period"),
+    (lambda: _Dyn(2.0, hysteresis=True), TypeError, "hysteresis"),
+    (lambda: _Dyn(2.0, hysteresis=2.0), TypeError, "hysteresis"),
+    (lambda: _Dyn(2.0, hysteresis="2"), TypeError, "hysteresis"),
+    (lambda: _Dyn(2.0, hysteresis=0), ValueError, "hysteresis"),
     (lambda: _Dyn(2.0, overflows=jnp.int32(1)), ValueError, "overflows"),
     (lambda: _Dyn(2.0, hysteresis=2, overflows=0.5), TypeError, "overflows"),
+    (lambda: _Dyn(2.0, hysteresis=2, overflows=-3), ValueError, r"overflows must be in \[0, hysteresis\)"),
+    (lambda: _Dyn(2.0, hysteresis=2, overflows=2), ValueError, "overflows"),
     (lambda: jmp.StaticLossScale(-4.0), ValueError, "loss_scale"),
+    (lambda: jmp.StaticLossScale(1e39), ValueError, "float32"),  # inf in float32
+    (lambda: jmp.StaticLossScale(1e-50), ValueError, "float32"),  # 0 in float32
     (lambda: jmp.StaticLossScale("8"), TypeError, "loss_scale"),
     (lambda: jmp.StaticLossScale(True), TypeError, "loss_scale"),
     (lambda: jmp.StaticLossScale(jnp.ones(2)), TypeError, "loss_scale"),
@@ -767,6 +774,11 @@ _BAD_LOSS_SCALES = [
 def test_bad_loss_scale_arguments(make, error, name):
     with pytest.raises(error, match=name):
         make()
+
+
+def test_numpy_integers_are_integers():
+    ls = jmp.DynamicLossScale(2.0, period=np.int64(10), hysteresis=np.int64(2), overflows=np.int32(1))
+    assert (ls.period, ls.hysteresis) == (10, 2) and type(ls.hysteresis) is int
 
 
 _LOSS_SCALES = {
