@@ -42,6 +42,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if not 0 <= value < 2**32:  # numpy's seeds
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2^32), got {text!r}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -114,7 +124,7 @@ def _build_parser() -> _Parser:
                    help="the loss is mean cross-entropy x M (default 2^-15 = "
                    f"{demo.DEFAULT_LOSS_MULTIPLIER:g}; 1: the plain loss, whose gradients "
                    "float16 holds)")
-    p.add_argument("--seed", type=int, default=0, help="data split, initialisation, batches")
+    p.add_argument("--seed", type=_seed, default=0, help="data split, initialisation, batches")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     p = sub.add_parser(
@@ -136,7 +146,7 @@ def _build_parser() -> _Parser:
     p.add_argument("--loss-multiplier", type=_positive_float,
                    default=demo.DEFAULT_LOSS_MULTIPLIER, metavar="M",
                    help="as for demo (default 2^-15)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser(

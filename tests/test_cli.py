@@ -141,6 +141,8 @@ def no_training(monkeypatch):
         ["demo", "--batch-size", "0"],
         ["demo", "--loss-multiplier", "-1"],
         ["doctor", "--steps", "-1"],
+        ["demo", "--seed", "-1"],
+        ["doctor", "--seed", "x"],
         ["demo", "--output", "/nonexistent-dir-jmp-policy/out.png"],
         ["doctor", "--output", "/nonexistent-dir-jmp-policy/out.png"],
         ["frobnicate"],
