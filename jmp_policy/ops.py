@@ -593,8 +593,8 @@ def autocast(
       The transformed function, with `fn`'s signature.
 
     Raises:
-      TypeError: if a primitive list holds something other than names or
-        primitives.
+      TypeError: if `fn` is not callable, or a primitive list holds something
+        other than names or primitives.
 
     >>> import jax, jax.numpy as jnp
     >>> import jmp_policy as jmp
@@ -608,6 +608,8 @@ def autocast(
     >>> bool(jnp.allclose(jax.jit(g)(x, w), f(x, w), atol=1e-2))
     True
     """
+    if not callable(fn):
+        raise TypeError(f"autocast expects a function as its first argument, got {fn!r}.")
     policy = get_policy(policy)
     rules = _Rules(
         compute_dtype=policy.compute_dtype,

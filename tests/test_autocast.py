@@ -274,6 +274,8 @@ class TestDtypes:
             autocast(block, MIXED, float32_primitives=[3])
         with pytest.raises(ValueError, match="Unknown dtype"):
             autocast(block, "c=bf17")
+        with pytest.raises(TypeError, match="autocast expects a function"):
+            autocast(3, MIXED)
 
 
 class TestComposition:
