@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import warnings
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -25,6 +26,8 @@ PolicyLike = Policy | str
 
 # The policy of the module being called; children without a rule inherit it.
 _ACTIVE_POLICY: contextvars.ContextVar[Policy] = contextvars.ContextVar("policy")
+# The rules' path patterns that matched a module during the current call.
+_MATCHED_PATTERNS: contextvars.ContextVar[set[str]] = contextvars.ContextVar("matched")
 _LINEN_ENTRIES = ("apply", "init", "init_with_output")
 # Flax's norms lift half inputs to float32 statistics with `jnp.promote_types`,
 # which strict dtype promotion rejects; they are written for standard promotion
@@ -41,9 +44,24 @@ def _module_policy(module: nn.Module, rules, inherited: Policy) -> Policy:
     best, best_score = inherited, None
     for key, policy in rules:
         score = specificity(key, module, path)
-        if score is not None and (best_score is None or score > best_score):
+        if score is None:
+            continue
+        if isinstance(key, str):
+            _MATCHED_PATTERNS.get(set()).add(key)
+        if best_score is None or score > best_score:
             best, best_score = policy, score  # Ties: the rule listed first wins.
     return best
+
+
+def _warn_unmatched(rules, matched: set[str], paths_seen: bool) -> None:
+    unmatched = [key for key, _ in rules if isinstance(key, str) and key not in matched]
+    if unmatched and paths_seen:
+        warnings.warn(
+            f"with_policy rules path pattern {unmatched[0]!r} matched no module of the "
+            "model; patterns are fnmatch patterns over '/'-joined module paths such as "
+            "'Dense_0' or 'decoder/layers_0/LayerNorm_0'.",
+            stacklevel=3,
+        )
 
 
 def _attribute_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
@@ -166,7 +184,9 @@ def with_policy(
       the module's path such as `"decoder/layers_0/LayerNorm_0"` and beats
       any class rule; the pattern with more literal characters wins;
     * remaining ties go to the rule listed first;
-    * a module without a matching rule inherits its parent's policy.
+    * a module without a matching rule inherits its parent's policy;
+    * a path pattern that matches no module of a whole-model call (no
+      `method=`) is most likely a typo: it gives a `UserWarning`.
 
     Args:
       fn: a bound linen `model.apply` / `model.init` / `model.init_with_output`,
@@ -214,6 +234,7 @@ def with_policy(
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         token = _ACTIVE_POLICY.set(policy)
+        matched_token = _MATCHED_PATTERNS.set(matched := set())
         try:
             with nn.intercept_methods(interceptor):
                 if entry is None:
@@ -226,6 +247,9 @@ def with_policy(
                 result = fn(first, *args, **kwargs)
         finally:
             _ACTIVE_POLICY.reset(token)
+            _MATCHED_PATTERNS.reset(matched_token)
+        # A whole-model call (not `method=`) that never met a pattern: a typo.
+        _warn_unmatched(compiled_rules, matched, entry is not None and "method" not in kwargs)
         if entry == "init":
             return _params_to_param_dtype(result, policy) if cast_params else result
         if entry == "init_with_output":

@@ -15,6 +15,7 @@ that a shape or a program text can answer.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any, NamedTuple
 
 import flax
@@ -758,6 +759,23 @@ def test_rule_values_spec_or_policy():
 def test_bad_rules_say_what_is_accepted(rules, error, message):
     with pytest.raises(error, match=message):
         with_policy(Chain().apply, "mixed_bfloat16", rules=rules)
+
+
+def test_path_pattern_that_matches_no_module_warns():
+    model, x = AutoEncoder(), np.ones((2, 8), np.float32)
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)
+    typo = {"encodr": "f32"}
+    with pytest.warns(UserWarning, match="pattern 'encodr' matched no module"):
+        jax.eval_shape(with_policy(model.apply, "mixed_bfloat16", rules=typo), variables, x)
+    with pytest.warns(UserWarning, match="'encodr'"):
+        jax.eval_shape(with_policy(model.init, "mixed_bfloat16", rules=typo), jax.random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # Matched, or a `method=` call that runs only part of the model.
+        good = with_policy(model.apply, "mixed_bfloat16", rules={"encoder": "f32"})
+        jax.eval_shape(good, variables, x)
+        partial = with_policy(model.apply, "mixed_bfloat16", rules={"decoder": "f32"})
+        jax.eval_shape(lambda v: partial(v, x, method=AutoEncoder.encode), variables)
 
 
 # --------------------------------------------------------------------------
