@@ -32,24 +32,23 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{self.prog}: error: {message} (see '{self.prog} --help')")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _int_in(low: int, high: int, what: str):
+    """An argparse type: an integer in [low, high), else a one-line error saying `what`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value < high:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if not 0 <= value < 2**32:  # numpy's seeds
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2^32), got {text!r}")
-    return value
+_positive_int = _int_in(1, sys.maxsize, "a positive integer")
+_seed = _int_in(0, 2**32, "an integer in [0, 2^32)")  # numpy's seeds
 
 
 def _positive_float(text: str) -> float:
