@@ -1,35 +1,65 @@
 """jmp_policy: mixed precision training for JAX, Flax and optax.
 
 A superset of DeepMind's jmp: `import jmp_policy as jmp` runs jmp code.
+
+The public API is the names below and `jmp_policy.nnx`; module paths under
+`jmp_policy.core`, `jmp_policy.integrations` and `jmp_policy.app` are not a
+promise. The core needs only jax, numpy and optax: `with_policy` (Flax linen)
+and `plot_histogram` (matplotlib) load their dependencies on first use.
 """
 
-from jmp_policy.diagnostics import GradientReport
-from jmp_policy.diagnostics import diagnose
-from jmp_policy.diagnostics import plot_histogram
-from jmp_policy.linen import with_policy
-from jmp_policy.loss_scale import DynamicLossScale
-from jmp_policy.loss_scale import ExpectedScalarError
-from jmp_policy.loss_scale import LossScale
-from jmp_policy.loss_scale import NoOpLossScale
-from jmp_policy.loss_scale import StaticLossScale
-from jmp_policy.loss_scale import all_finite
-from jmp_policy.loss_scale import select_tree
-from jmp_policy.ops import FLOAT32_PRIMITIVES
-from jmp_policy.ops import HALF_PRIMITIVES
-from jmp_policy.ops import PROMOTE_PRIMITIVES
-from jmp_policy.ops import autocast
-from jmp_policy.ops import half_conv_general_dilated
-from jmp_policy.ops import half_dot_general
-from jmp_policy.optimizer import LossScaledState
-from jmp_policy.optimizer import get_loss_scale
-from jmp_policy.optimizer import loss_scaled
-from jmp_policy.policy import Policy
-from jmp_policy.policy import cast_to_full
-from jmp_policy.policy import cast_to_half
-from jmp_policy.policy import get_policy
-from jmp_policy.policy import half_dtype
+from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from jmp_policy.core.autocast import FLOAT32_PRIMITIVES
+from jmp_policy.core.autocast import HALF_PRIMITIVES
+from jmp_policy.core.autocast import PROMOTE_PRIMITIVES
+from jmp_policy.core.autocast import autocast
+from jmp_policy.core.diagnostics import GradientReport
+from jmp_policy.core.diagnostics import diagnose
+from jmp_policy.core.loss_scale import DynamicLossScale
+from jmp_policy.core.loss_scale import ExpectedScalarError
+from jmp_policy.core.loss_scale import LossScale
+from jmp_policy.core.loss_scale import NoOpLossScale
+from jmp_policy.core.loss_scale import StaticLossScale
+from jmp_policy.core.loss_scale import all_finite
+from jmp_policy.core.loss_scale import select_tree
+from jmp_policy.core.loss_scaled import LossScaledState
+from jmp_policy.core.loss_scaled import get_loss_scale
+from jmp_policy.core.loss_scaled import loss_scaled
+from jmp_policy.core.matmul import half_conv_general_dilated
+from jmp_policy.core.matmul import half_dot_general
+from jmp_policy.core.policy import Policy
+from jmp_policy.core.policy import cast_to_full
+from jmp_policy.core.policy import cast_to_half
+from jmp_policy.core.policy import get_policy
+from jmp_policy.core.policy import half_dtype
+
+if TYPE_CHECKING:
+    from jmp_policy.app.doctor import plot_histogram
+    from jmp_policy.integrations.linen import with_policy
+
+__version__ = "0.2.0"
+
+# Names whose modules import Flax or matplotlib: loaded when first used.
+_LAZY = {
+    "plot_histogram": "jmp_policy.app.doctor",
+    "with_policy": "jmp_policy.integrations.linen",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jmp_policy' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = (
     "DynamicLossScale",

@@ -2,7 +2,7 @@
 
 import sys
 
-from jmp_policy.cli import main
+from jmp_policy.app.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""Tests for jmp_policy.ops: the op-level transform and the half matmuls.
+"""Tests of `autocast` (the op-level transform) and the float32-accumulating half matmuls.
 
 Precision is checked where it matters, in the lowered StableHLO program: each
 `stablehlo.dot_general` / `stablehlo.convolution` must take bf16 operands and
@@ -28,7 +28,7 @@ from jax import lax
 from jax.interpreters import mlir
 
 import jmp_policy as jmp
-from jmp_policy.ops import (
+from jmp_policy import (
     FLOAT32_PRIMITIVES,
     HALF_PRIMITIVES,
     PROMOTE_PRIMITIVES,
@@ -541,3 +541,19 @@ def test_transformer_block_train_step_all_products_half():
     # 6 products forward (qkv, scores, mix, out, 2 MLP), 2 cotangents each backward.
     assert_half_products(grad, params, x, count=18)
     assert_close(*run_together([grad, jax.grad(loss, (0, 1))], params, x))
+
+
+@pytest.mark.parametrize(
+    "env, cpuinfo, expected",
+    [
+        ({}, "flags : fpu avx512f avx512_bf16 amx_tile", True),
+        ({}, "flags : fpu amx_bf16", True),
+        ({}, "flags : fpu avx2 avx512f", False),  # No bf16 path in XNNPACK: not needed.
+        ({"JMP_POLICY_CPU_BF16_DOT_WORKAROUND": "0"}, "flags : avx512_bf16", False),
+        ({"JMP_POLICY_CPU_BF16_DOT_WORKAROUND": "1"}, "flags : avx2", True),
+    ],
+)
+def test_cpu_bf16_dot_workaround_only_where_needed(env, cpuinfo, expected):
+    from jmp_policy.core.matmul import cpu_bf16_dot_workaround
+
+    assert cpu_bf16_dot_workaround(env, cpuinfo) is expected

@@ -1,6 +1,6 @@
 """The `jmp-policy` command: demo, doctor, bench, and errors for bad arguments.
 
-Also `jmp_policy.diagnostics` on gradients with a known answer.
+Also `jmp_policy.diagnose` on gradients with a known answer.
 """
 
 import io
@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmp_policy import cli, demo, diagnostics
+from jmp_policy.app import bench, cli, demo, doctor
+from jmp_policy.core import diagnostics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 RUN_NAMES = [c.name for c in demo.CONFIGS]
@@ -225,7 +226,7 @@ def test_diagnose_known_shares():
     assert report.recommended_policy == "mixed_bfloat16"
     assert report.recommended_loss_scale is None
     assert report.log2_counts.sum() == 8
-    text = report.to_text()
+    text = doctor.report_text(report)
     assert "25.0%" in text and "mixed_bfloat16" in text
 
 
@@ -278,9 +279,9 @@ def test_doctor_on_a_model_whose_gradients_underflow(tmp_path):
     assert len(forward) == 1 and forward[0].misaligned == {"M": 1, "N": 4}
     assert "Dense_0" in forward[0].name
     assert len(report.misaligned_matmuls) == len(report.matmuls) == 2
-    assert "not a multiple of 8" in report.to_text()
+    assert "not a multiple of 8" in doctor.report_text(report)
     png = tmp_path / "hist.png"
-    diagnostics.plot_histogram(report, png)
+    doctor.plot_histogram(report, png)
     assert_png(png)
 
 
@@ -297,7 +298,7 @@ def test_find_matmuls_aligned_and_conv():
 
 def test_plot_histogram_accepts_gradients(tmp_path):
     png = tmp_path / "g.png"
-    diagnostics.plot_histogram({"w": jnp.logspace(-12, 2, 100, dtype=jnp.float32)}, png)
+    doctor.plot_histogram({"w": jnp.logspace(-12, 2, 100, dtype=jnp.float32)}, png)
     assert_png(png)
 
 
@@ -319,27 +320,26 @@ def test_doctor_command_on_the_demo_model(tmp_path, capsys):
 # --- bench -----------------------------------------------------------------------
 
 
-def test_bench_runs_every_script_and_passes_quick(tmp_path, capfd):
-    bench = tmp_path / "benchmarks"
-    bench.mkdir()
-    (bench / "a_ratio.py").write_text("import sys\nprint('table a', sys.argv[1:])\n")
-    (bench / "b_ratio.py").write_text("import sys\nprint('table b', sys.argv[1:])\n")
-    (bench / "_helper.py").write_text("raise SystemExit(3)\n")
-    assert cli.main(["bench", "--quick", "--dir", str(bench)]) == 0
-    out = capfd.readouterr().out
-    assert "table a ['--quick']" in out and "table b ['--quick']" in out
-    assert out.index("table a") < out.index("table b")
+def test_bench_runs_each_shipped_benchmark_with_quick(monkeypatch, capfd):
+    calls = []
+    monkeypatch.setattr(bench.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    assert cli.main(["bench", "--quick"]) == 0
+    names = bench.benchmark_names()
+    assert {"loss_scaling", "transformer"} <= set(names)
+    assert [c[2:] for c in calls] == [
+        [f"jmp_policy.app.benchmarks.{n}", "--quick"] for n in names
+    ]
+    assert f"{len(names)} benchmark(s) ran" in capfd.readouterr().out
 
 
-def test_bench_reports_a_failing_script(tmp_path, capfd):
-    (tmp_path / "bad.py").write_text("raise SystemExit(4)\n")
-    assert cli.main(["bench", "--dir", str(tmp_path)]) == 1
-    assert "bad.py (exit 4)" in capfd.readouterr().err
+def test_bench_reports_a_failing_benchmark(monkeypatch, capfd):
+    monkeypatch.setattr(bench.subprocess, "call", lambda cmd: 4)
+    assert cli.main(["bench", "--only", "transformer"]) == 1
+    assert "transformer (exit 4)" in capfd.readouterr().err
 
 
-def test_bench_without_benchmarks_directory(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_benchmarks_dir", lambda: None)
-    rc = cli.main(["bench"])
+def test_bench_unknown_name(capsys):
+    rc = cli.main(["bench", "--only", "nope"])
     err = capsys.readouterr().err
     assert_one_line_error(rc, err)
-    assert "source checkout" in err
+    assert "'nope'" in err and "transformer" in err

@@ -1,4 +1,4 @@
-"""Tests of `jmp_policy.linen.with_policy` on real Flax linen models.
+"""Tests of `jmp_policy.with_policy` on real Flax linen models.
 
 Grouped by concept: the contractions (`dot_general`, convolution) of whole
 lowered train steps, the dtypes of parameters, gradients, outputs and
@@ -27,6 +27,7 @@ import optax
 import pytest
 
 from jmp_policy import Policy, with_policy
+from jmp_policy.core.diagnostics import saved_residuals
 
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(np.float16)
@@ -761,21 +762,19 @@ def test_bad_rules_say_what_is_accepted(rules, error, message):
         with_policy(Chain().apply, "mixed_bfloat16", rules=rules)
 
 
-def test_path_pattern_that_matches_no_module_warns():
+def test_path_pattern_that_matches_no_module_is_an_error():
     model, x = AutoEncoder(), np.ones((2, 8), np.float32)
     variables = jax.eval_shape(model.init, jax.random.key(0), x)
     typo = {"encodr": "f32"}
-    with pytest.warns(UserWarning, match="pattern 'encodr' matched no module"):
+    with pytest.raises(ValueError, match=r"pattern 'encodr' matches no module.*'encoder'"):
         jax.eval_shape(with_policy(model.apply, "mixed_bfloat16", rules=typo), variables, x)
-    with pytest.warns(UserWarning, match="'encodr'"):
+    with pytest.raises(ValueError, match="'encodr'"):
         jax.eval_shape(with_policy(model.init, "mixed_bfloat16", rules=typo), jax.random.key(0), x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        # Matched, or a `method=` call that runs only part of the model.
-        good = with_policy(model.apply, "mixed_bfloat16", rules={"encoder": "f32"})
-        jax.eval_shape(good, variables, x)
-        partial = with_policy(model.apply, "mixed_bfloat16", rules={"decoder": "f32"})
-        jax.eval_shape(lambda v: partial(v, x, method=AutoEncoder.encode), variables)
+    # Matched, or a `method=` call that runs only part of the model.
+    good = with_policy(model.apply, "mixed_bfloat16", rules={"encoder": "f32"})
+    jax.eval_shape(good, variables, x)
+    partial = with_policy(model.apply, "mixed_bfloat16", rules={"decoder": "f32"})
+    jax.eval_shape(lambda v: partial(v, x, method=AutoEncoder.encode), variables)
 
 
 # --------------------------------------------------------------------------
@@ -902,8 +901,6 @@ def norms_params():
 
 
 def saved(loss, params) -> list[tuple[Any, str]]:
-    from jax._src.ad_checkpoint import saved_residuals
-
     return saved_residuals(loss, params)
 
 

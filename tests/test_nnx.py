@@ -340,7 +340,7 @@ def test_rule_param_dtype_casts_that_modules_params():
         ({"": "f32"}, TypeError, "non-empty"),
         ({nnx.Linear: 3}, TypeError, "Policy or a policy spec"),
         ({nnx.Linear: "f8"}, ValueError, "Unknown dtype"),
-        ({"frist/*": "f32"}, ValueError, "matches no submodule"),
+        ({"frist/*": "f32"}, ValueError, "matches no module of the model"),
     ],
 )
 def test_bad_rules_raise(rules, error, match):

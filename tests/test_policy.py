@@ -1,4 +1,4 @@
-"""Tests of `jmp_policy.policy`: spec parsing, `Policy` values, and pytree casting.
+"""Tests of policies: spec parsing, `Policy` values, and pytree casting.
 
 Grouped like the module: the spec grammar (`get_policy`) and its errors, `Policy`
 construction and its value semantics (equality, hashing, `str`, use under

@@ -4,7 +4,7 @@
 dtype cannot hold (flushed to zero, subnormal, overflowing), recommends a
 policy and an initial loss scale, and lists the matrix products whose
 dimensions are not multiples of 8 (NVIDIA Tensor Cores want multiples of 8
-for half inputs). `plot_histogram` draws the distribution of log2 gradient
+for half inputs). `jmp_policy.plot_histogram` draws the distribution of log2 gradient
 magnitudes over the float16 and bfloat16 ranges.
 
 Reference: Micikevicius et al., "Mixed Precision Training" (ICLR 2018),
@@ -13,14 +13,19 @@ Section 3.2 and Figure 3.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import math
+import re
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import print_saved_residuals
 import numpy as np
-from jax.extend import core as jax_core
+
+from jmp_policy.core import jax_internals as ji
 
 # Float16: subnormals from 2^-24, normals from 2^-14, largest 65504.
 F16_TINIEST = 2.0**-24
@@ -35,7 +40,7 @@ BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
 _LOG2_LO, _LOG2_HI = -160, 140
 # The recommended float16 scale keeps the largest value one factor of 2 below
 # 65504, so a gradient that doubles does not overflow on the first step.
-_HEADROOM = 2.0
+HEADROOM = 2.0
 # float16 is called usable when at most this share of the values still
 # underflows after loss scaling (the paper trained SSD with some flushed).
 _FLOAT16_TOLERANCE = 0.01
@@ -147,10 +152,6 @@ class GradientReport:
         """The matrix products with a size (M, N or K) that is not a multiple of 8."""
         return tuple(m for m in self.matmuls if m.misaligned)
 
-    def to_text(self) -> str:
-        """Returns the report as a table with its recommendation, for a terminal."""
-        return _report_text(self)
-
 
 def _path_str(path) -> str:
     return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
@@ -206,7 +207,7 @@ def _float16_scale(max_abs: float) -> float:
     """Largest power of two S with max_abs * S <= 65504 / headroom, in [1, 2^64]."""
     if max_abs <= 0:
         return 2.0**15  # All zero: any scale works; the usual start.
-    exponent = math.floor(math.log2(F16_MAX / (_HEADROOM * max_abs)))
+    exponent = math.floor(math.log2(F16_MAX / (HEADROOM * max_abs)))
     return float(2.0 ** min(max(exponent, 0), int(math.log2(_MAX_RECOMMENDED_SCALE))))
 
 
@@ -229,15 +230,6 @@ def _recommend(total: GradientStats, under_scaled: float, over_scaled: float, sc
     return "float32", None, "neither half dtype holds these gradients, even with loss scaling"
 
 
-def _sub_jaxprs(params: dict):
-    for value in params.values():
-        for v in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(v, jax_core.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, jax_core.Jaxpr):
-                yield v
-
-
 def _matmul_of(eqn) -> MatmulShape | None:
     if eqn.primitive.name not in ("dot_general", "conv_general_dilated"):
         return None
@@ -255,7 +247,7 @@ def _matmul_of(eqn) -> MatmulShape | None:
         m = math.prod(out) // max(rhs[rhs_spec[0]], 1)
         n = rhs[rhs_spec[0]]
         k = math.prod(rhs) // max(n, 1)
-    name = str(eqn.source_info.name_stack) or eqn.primitive.name
+    name = ji.name_stack(eqn) or eqn.primitive.name
     return MatmulShape(name=name, lhs_shape=lhs, rhs_shape=rhs, m=m, n=n, k=k)
 
 
@@ -266,7 +258,7 @@ def find_matmuls(fn: Callable, *args, **kwargs) -> tuple[MatmulShape, ...]:
     scan, cond and custom-derivative bodies included.
 
     >>> import jax.numpy as jnp
-    >>> from jmp_policy.diagnostics import find_matmuls
+    >>> from jmp_policy.core.diagnostics import find_matmuls
     >>> [(m.m, m.n, m.k) for m in find_matmuls(jnp.dot, jnp.ones((4, 12)), jnp.ones((12, 10)))]
     [(4, 10, 12)]
     """
@@ -280,7 +272,7 @@ def find_matmuls(fn: Callable, *args, **kwargs) -> tuple[MatmulShape, ...]:
                 key = (mm.name, mm.lhs_shape, mm.rhs_shape, mm.m, mm.n, mm.k)
                 old = found.get(key)
                 found[key] = dataclasses.replace(mm, count=old.count + 1) if old else mm
-            for sub in _sub_jaxprs(eqn.params):
+            for sub in ji.sub_jaxprs(eqn):
                 walk(sub)
 
     walk(closed.jaxpr)
@@ -314,7 +306,7 @@ def diagnose(grad_fn: Callable | Any, *args, **kwargs) -> GradientReport:
         floating-point array.
 
     >>> import jax.numpy as jnp
-    >>> from jmp_policy.diagnostics import diagnose
+    >>> from jmp_policy import diagnose
     >>> grads = {"w": jnp.array([1e-9, 1e-9, 1e-3, 0.5])}  # 1e-9 ~ 2^-29.9: zero in float16
     >>> report = diagnose(grads)
     >>> report.total.f16_underflow, report.recommended_policy
@@ -380,143 +372,38 @@ def diagnose(grad_fn: Callable | Any, *args, **kwargs) -> GradientReport:
     )
 
 
-def _pct(share: float) -> str:
-    if share == 0:
-        return "0"
-    if share < 1e-4:
-        return "<0.01%"
-    return f"{100 * share:.1f}%" if share < 0.9995 else "100%"
+_RESIDUAL_LINE = re.compile(r"^(\w+)\[([\d,]*)\] (.*)$")
 
 
-def _log2(x: float) -> str:
-    if not (x > 0 and math.isfinite(x)):
-        return "-"
-    return f"2^{math.log2(x):.1f}"
+def saved_residuals(fn: Callable, *args: Any) -> list[tuple[jax.ShapeDtypeStruct, str]]:
+    """The values JAX saves in the forward pass of `fn(*args)` for its backward pass.
 
+    Each is `(shape and dtype, where it comes from)`, as printed by the public
+    `jax.ad_checkpoint.print_saved_residuals` (read from its output, since
+    the structured form is not public API).
 
-def _report_text(r: GradientReport) -> str:
-    header = (
-        "path", "shape", "zero",
-        "f16 <2^-24", "f16 <2^-14", "f16 >65504",
-        "bf16 <2^-133", "bf16 >max", "max|g|", "min|g|>0",
-    )
-    rows = [
-        (
-            s.path, "x".join(map(str, s.shape)) or "-", _pct(s.zero),
-            _pct(s.f16_underflow), _pct(s.f16_below_normal), _pct(s.f16_overflow),
-            _pct(s.bf16_underflow), _pct(s.bf16_overflow), _log2(s.max_abs), _log2(s.min_abs),
-        )
-        for s in (*r.arrays, r.total)
-    ]
-    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-
-    def line(row):
-        return "  ".join(
-            c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
-        )
-
-    t = r.total
-    nonzero = max(1.0 - t.zero - t.nonfinite, 1e-12)
-    out = [
-        f"Gradient report: {len(r.arrays)} arrays, {t.size:,} values. Shares of all values: "
-        "below 2^-24 a value is lost in float16 (flushed to zero), below 2^-14 it is "
-        "subnormal (fewer bits), above 65504 it overflows.",
-        line(header),
-        "-" * len(line(header)),
-        *(line(row) for row in rows[:-1]),
-        "-" * len(line(header)),
-        line(rows[-1]),
-        "",
-        f"float16 without loss scaling: {_pct(t.f16_underflow)} of the values "
-        f"({_pct(t.f16_underflow / nonzero)} of the nonzero ones) underflow, "
-        f"{_pct(t.f16_overflow)} overflow.",
-        f"float16 with a loss scale of 2^{math.log2(r.float16_loss_scale):g} "
-        f"(largest power of two keeping max|g| below 65504/{_HEADROOM:g}): "
-        f"{_pct(r.f16_underflow_scaled)} underflow, {_pct(r.f16_overflow_scaled)} overflow.",
-        f"bfloat16: {_pct(t.bf16_underflow)} underflow, {_pct(t.bf16_overflow)} overflow.",
-    ]
-    if r.recommended_loss_scale is None:
-        rec = f"Recommended: {r.recommended_policy!r}, NoOpLossScale(): {r.reason}."
-        if r.recommended_policy == "mixed_bfloat16":
-            rec += (
-                f" Where bfloat16 is not fast (GPUs before Ampere): 'mixed_float16' with "
-                f"DynamicLossScale(2.0**{math.log2(r.float16_loss_scale):g})."
-            )
-    else:
-        rec = (
-            f"Recommended: {r.recommended_policy!r} with "
-            f"DynamicLossScale(2.0**{math.log2(r.recommended_loss_scale):g}): {r.reason}."
-        )
-    out.append(rec)
-    if r.matmuls:
-        bad = r.misaligned_matmuls
-        out.append("")
-        if not bad:
-            out.append(f"Matrix products: all {len(r.matmuls)} have M, N, K multiples of 8.")
-        else:
-            out.append(
-                f"Matrix products with a size not a multiple of 8 ({len(bad)} of "
-                f"{len(r.matmuls)}; Tensor Cores need multiples of 8 for half inputs, "
-                "pad the layer width or batch size):"
-            )
-            for m in bad:
-                sizes = ", ".join(f"{d}={v}" for d, v in m.misaligned.items())
-                times = f" (x{m.count})" if m.count > 1 else ""
-                out.append(
-                    f"  {m.name}: {m.lhs_shape} x {m.rhs_shape}, M={m.m} N={m.n} K={m.k}; "
-                    f"not a multiple of 8: {sizes}{times}"
-                )
-    return "\n".join(out)
-
-
-def plot_histogram(report: GradientReport | Any, path, *, title: str | None = None) -> None:
-    """Writes a PNG histogram of log2 |gradient| over the float16 and bfloat16 ranges.
-
-    Like Figure 3 of Micikevicius et al. (2018): the share of values per
-    power of two, with the range float16 represents shaded (subnormal part
-    lighter), the part that becomes zero in float16 marked, bfloat16's range
-    drawn above, and the histogram shifted by the recommended float16 loss
-    scale drawn as an outline.
-
-    Args:
-      report: a `GradientReport`, or a gradient pytree (diagnosed first).
-      path: where the PNG goes.
-      title: an optional title.
+    >>> import jax.numpy as jnp
+    >>> from jmp_policy.core.diagnostics import saved_residuals
+    >>> [(r.shape, str(r.dtype)) for r, _ in saved_residuals(lambda x: jnp.sin(x).sum(), jnp.ones(3))]
+    [((3,), 'float32')]
     """
-    import matplotlib
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(fn, *args)
+    found = []
+    for line in out.getvalue().splitlines():
+        match = _RESIDUAL_LINE.match(line.strip())
+        if match is None:
+            continue
+        dtype, shape, where = match.groups()
+        shape = tuple(int(d) for d in shape.split(",") if d)
+        found.append((jax.ShapeDtypeStruct(shape, jnp.dtype(_SHORT_DTYPES.get(dtype, dtype))), where))
+    return found
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    if not isinstance(report, GradientReport):
-        report = diagnose(report)
-    counts, edges = report.log2_counts, report.log2_edges
-    share = 100.0 * counts / max(report.total.size, 1)
-    used = np.nonzero(counts)[0]
-    lo = min(edges[used[0]] if used.size else -30, -30) - 3
-    hi = max(edges[used[-1] + 1] if used.size else 17, 17) + 3
-    shift = math.log2(report.float16_loss_scale)
-
-    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
-    ax.axvspan(lo, -24, color="tab:red", alpha=0.12, lw=0, label="becomes zero in float16")
-    ax.axvspan(-24, -14, color="tab:blue", alpha=0.10, lw=0, label="float16 subnormal")
-    ax.axvspan(-14, math.log2(F16_MAX), color="tab:blue", alpha=0.22, lw=0, label="float16 normal")
-    ax.bar(edges[:-1], share, width=1.0, align="edge", color="0.25", label="gradients")
-    if shift:
-        ax.step(
-            edges[:-1] + shift, share, where="post", color="tab:orange", lw=1.2,
-            label=f"gradients x 2^{shift:g} (loss scale)",
-        )
-    top = max(share.max() if share.size else 1.0, 1e-3) * 1.25
-    ax.set_ylim(0, top * 1.12)
-    ax.hlines(top * 1.04, max(lo, -133), min(hi, 128), color="tab:green", lw=4,
-              label="bfloat16 range (2^-133 .. 2^128)")
-    ax.set_xlim(lo, hi)
-    ax.set_xlabel("log2 |gradient|")
-    ax.set_ylabel("% of all values")
-    zero = report.total.zero
-    ax.set_title(title or f"Gradient magnitudes ({100 * zero:.1f}% exact zeros, not shown)")
-    ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
+# print_saved_residuals writes dtypes in HLO's short form.
+_SHORT_DTYPES = {
+    "f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64",
+    "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64", "bool": "bool",
+    "u8": "uint8", "u32": "uint32", "c64": "complex64", "c128": "complex128",
+}  # fmt: skip

@@ -13,21 +13,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import warnings
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 
-from jmp_policy.policy import Policy, get_policy
-from jmp_policy.rules import Rules, compile_rules, specificity
-
-PolicyLike = Policy | str
+from jmp_policy.core.policy import Policy, get_policy
+from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet
 
 # The policy of the module being called; children without a rule inherit it.
 _ACTIVE_POLICY: contextvars.ContextVar[Policy] = contextvars.ContextVar("policy")
-# The rules' path patterns that matched a module during the current call.
-_MATCHED_PATTERNS: contextvars.ContextVar[set[str]] = contextvars.ContextVar("matched")
+# The module paths seen and the rules' path patterns matched during the current call.
+_SEEN: contextvars.ContextVar[tuple[set[str], set[str]]] = contextvars.ContextVar("seen")
 _LINEN_ENTRIES = ("apply", "init", "init_with_output")
 # Flax's norms lift half inputs to float32 statistics with `jnp.promote_types`,
 # which strict dtype promotion rejects; they are written for standard promotion
@@ -39,29 +36,11 @@ _FLAX_NORMS = (nn.BatchNorm, nn.GroupNorm, nn.InstanceNorm, nn.LayerNorm, nn.RMS
 _REMAT_NORMS = (nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
 
 
-def _module_policy(module: nn.Module, rules, inherited: Policy) -> Policy:
+def _module_policy(module: nn.Module, rules: RuleSet, inherited: Policy) -> Policy:
     path = "/".join(str(p) for p in module.path)
-    best, best_score = inherited, None
-    for key, policy in rules:
-        score = specificity(key, module, path)
-        if score is None:
-            continue
-        if isinstance(key, str):
-            _MATCHED_PATTERNS.get(set()).add(key)
-        if best_score is None or score > best_score:
-            best, best_score = policy, score  # Ties: the rule listed first wins.
-    return best
-
-
-def _warn_unmatched(rules, matched: set[str], paths_seen: bool) -> None:
-    unmatched = [key for key, _ in rules if isinstance(key, str) and key not in matched]
-    if unmatched and paths_seen:
-        warnings.warn(
-            f"with_policy rules path pattern {unmatched[0]!r} matched no module of the "
-            "model; patterns are fnmatch patterns over '/'-joined module paths such as "
-            "'Dense_0' or 'decoder/layers_0/LayerNorm_0'.",
-            stacklevel=3,
-        )
+    paths, matched = _SEEN.get((set(), set()))
+    paths.add(path)
+    return rules.policy_for(module, path, inherited, matched)[0]
 
 
 def _attribute_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
@@ -186,7 +165,10 @@ def with_policy(
     * remaining ties go to the rule listed first;
     * a module without a matching rule inherits its parent's policy;
     * a path pattern that matches no module of a whole-model call (no
-      `method=`) is most likely a typo: it gives a `UserWarning`.
+      `method=`) is a `ValueError`, as in `jmp_policy.nnx` (a typo, most
+      likely); a module that runs only in some calls (e.g. a train-only head)
+      is matched in the calls where it runs, so wrap those applies with the
+      rule and the others without.
 
     Args:
       fn: a bound linen `model.apply` / `model.init` / `model.init_with_output`,
@@ -203,7 +185,8 @@ def with_policy(
     Raises:
       TypeError: if `fn` is already jitted (jit the result instead), or a rule
         key or value is of the wrong type.
-      ValueError: if a policy spec is malformed.
+      ValueError: if a policy spec is malformed; when called, if a path pattern
+        matches no module of a whole-model call.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> import jmp_policy as jmp
@@ -222,19 +205,19 @@ def with_policy(
     if not callable(fn):
         raise TypeError(f"with_policy expects a function as its first argument, got {fn!r}.")
     policy = get_policy(policy)
-    compiled_rules = compile_rules(rules, nn.Module, "decoder/*/LayerNorm_*")
+    rule_set = RuleSet(rules, nn.Module, "decoder/*/LayerNorm_*")
     if not isinstance(remat_norms, bool):
         raise TypeError(f"remat_norms must be True or False, got {remat_norms!r}.")
-    interceptor = _make_interceptor(compiled_rules, remat_norms)
+    interceptor = _make_interceptor(rule_set, remat_norms)
     entry = _linen_entry(fn)
     # Rules may store some modules' parameters in another dtype; then each
     # module's `param_dtype` decides and init casts nothing afterwards.
-    cast_params = all(p.param_dtype == policy.param_dtype for _, p in compiled_rules)
+    cast_params = rule_set.param_dtypes <= {policy.param_dtype}
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         token = _ACTIVE_POLICY.set(policy)
-        matched_token = _MATCHED_PATTERNS.set(matched := set())
+        seen_token = _SEEN.set((paths := set(), matched := set()))
         try:
             with nn.intercept_methods(interceptor):
                 if entry is None:
@@ -247,9 +230,10 @@ def with_policy(
                 result = fn(first, *args, **kwargs)
         finally:
             _ACTIVE_POLICY.reset(token)
-            _MATCHED_PATTERNS.reset(matched_token)
-        # A whole-model call (not `method=`) that never met a pattern: a typo.
-        _warn_unmatched(compiled_rules, matched, entry is not None and "method" not in kwargs)
+            _SEEN.reset(seen_token)
+        if entry is not None and "method" not in kwargs:
+            # A whole-model call met every module: a pattern that matched none is a typo.
+            rule_set.check_all_matched(matched, paths)
         if entry == "init":
             return _params_to_param_dtype(result, policy) if cast_params else result
         if entry == "init_with_output":

@@ -13,7 +13,6 @@ import importlib.util
 import math
 import os
 import pathlib
-import subprocess
 import sys
 from typing import Sequence
 
@@ -92,7 +91,7 @@ def _check_demo_extra(command: str) -> None:
 
 
 def _build_parser() -> _Parser:
-    from jmp_policy import demo
+    from jmp_policy.app import demo
 
     parser = _Parser(
         prog=PROG,
@@ -134,7 +133,7 @@ def _build_parser() -> _Parser:
         "and activation gradient, the share of values that would underflow or overflow in "
         "float16 and bfloat16, a recommended policy and loss scale, and matrix products "
         "whose sizes are not multiples of 8. For your own model use "
-        "jmp_policy.diagnostics.diagnose(grad_fn, *args).",
+        "jmp_policy.diagnose(grad_fn, *args).",
     )
     p.add_argument("--steps", type=_positive_int, default=200,
                    help="float32 training steps before the gradients are measured (default 200)")
@@ -150,17 +149,19 @@ def _build_parser() -> _Parser:
 
     p = sub.add_parser(
         "bench",
-        help="run the benchmark scripts (benchmarks/*.py of a source checkout)",
-        description="Runs every benchmarks/*.py of the source checkout and prints its tables.",
+        help="run the benchmarks (step time and memory of mixed precision against the "
+        "alternatives) and print their tables",
+        description="Runs the benchmarks shipped in jmp_policy.app.benchmarks, each in its "
+        "own process, and prints their tables.",
     )
-    p.add_argument("--quick", action="store_true", help="pass --quick to every benchmark")
-    p.add_argument("--dir", type=pathlib.Path, default=None, metavar="DIR",
-                   help="the benchmarks directory (default: the checkout's benchmarks/)")
+    p.add_argument("--quick", action="store_true", help="a run of seconds per benchmark")
+    p.add_argument("--only", action="append", metavar="NAME",
+                   help="run only this benchmark (repeatable)")
     return parser
 
 
 def _run_demo(args) -> int:
-    from jmp_policy import demo
+    from jmp_policy.app import demo
 
     _check_writable(args.output, "demo")
     _check_demo_extra("demo")
@@ -174,7 +175,8 @@ def _run_demo(args) -> int:
 
 
 def _run_doctor(args) -> int:
-    from jmp_policy import demo, diagnostics
+    from jmp_policy.app import demo, doctor
+    from jmp_policy.core.diagnostics import diagnose
 
     _check_writable(args.output, "doctor")
     _check_demo_extra("doctor")
@@ -190,14 +192,14 @@ def _run_doctor(args) -> int:
     x, y = data.x_train[: args.batch_size], data.y_train[: args.batch_size]
     variables = demo.with_perturbations(model, result.params, x)
     grad_fn = demo.activation_grad_fn(model, args.loss_multiplier)
-    report = diagnostics.diagnose(grad_fn, variables, x, y)
+    report = diagnose(grad_fn, variables, x, y)
     print(
         f"jmp-policy doctor: the demo model after {args.steps} float32 steps, loss x "
         f"{demo.format_multiplier(args.loss_multiplier)}, one batch of {len(x)}. 'params/...' "
         "are weight gradients, 'perturbations/...' activation gradients (Flax `perturb`)."
     )
-    print(report.to_text())
-    diagnostics.plot_histogram(
+    print(doctor.report_text(report))
+    doctor.plot_histogram(
         report, args.output,
         title="Demo model: weight and activation gradients (float32), "
         f"{100 * report.total.zero:.0f}% exact zeros not shown",
@@ -206,38 +208,16 @@ def _run_doctor(args) -> int:
     return 0
 
 
-def _benchmarks_dir() -> pathlib.Path | None:
-    # Only a source checkout (editable install) has them next to the package.
-    root = pathlib.Path(__file__).resolve().parent.parent
-    if (root / "pyproject.toml").is_file() and (root / "benchmarks").is_dir():
-        return root / "benchmarks"
-    return None
-
-
 def _run_bench(args) -> int:
-    where = args.dir if args.dir is not None else _benchmarks_dir()
-    if where is None or not where.is_dir():
-        what = f"{str(args.dir)!r} is not a directory" if args.dir is not None else (
-            "no benchmarks/ directory: the benchmarks come with a source checkout, not an "
-            "installed package (or give --dir)"
+    from jmp_policy.app import bench
+
+    names = bench.benchmark_names()
+    unknown = sorted(set(args.only or ()) - set(names))
+    if unknown:
+        raise _UsageError(
+            f"{PROG} bench: error: unknown benchmark {unknown[0]!r}; there are: {', '.join(names)}"
         )
-        raise _UsageError(f"{PROG} bench: error: {what}")
-    scripts = sorted(p for p in where.glob("*.py") if not p.name.startswith("_"))
-    if not scripts:
-        raise _UsageError(f"{PROG} bench: error: no benchmark scripts in {str(where)!r}")
-    failed = []
-    for script in scripts:
-        print(f"== {script.name}{' --quick' if args.quick else ''} ==", flush=True)
-        cmd = [sys.executable, str(script), *(["--quick"] if args.quick else [])]
-        rc = subprocess.call(cmd, cwd=where.parent)
-        if rc:
-            failed.append(f"{script.name} (exit {rc})")
-        print(flush=True)
-    if failed:
-        print(f"{PROG} bench: failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    print(f"{PROG} bench: {len(scripts)} benchmark(s) ran: {', '.join(s.name for s in scripts)}")
-    return 0
+    return bench.run(args.only or names, quick=args.quick)
 
 
 _COMMANDS = {"demo": _run_demo, "doctor": _run_doctor, "bench": _run_bench}

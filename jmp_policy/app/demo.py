@@ -39,11 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_policy import diagnostics
-from jmp_policy.linen import with_policy
-from jmp_policy.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
-from jmp_policy.optimizer import get_loss_scale, loss_scaled
-from jmp_policy.policy import Policy, get_policy
+from jmp_policy.core import diagnostics
+from jmp_policy.core.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
+from jmp_policy.core.loss_scaled import get_loss_scale, loss_scaled
+from jmp_policy.core.policy import Policy, get_policy
+from jmp_policy.integrations.linen import with_policy
 
 DEFAULT_STEPS = 600
 DEFAULT_BATCH_SIZE = 128
@@ -352,12 +352,10 @@ def _pow2(x: float) -> str:
 
 def plot_runs(results: list[RunResult], path, *, title: str = "") -> None:
     """Writes the PNG: loss curves, loss-scale trajectories, share of zero gradients."""
-    import matplotlib
+    from matplotlib.figure import Figure  # Not pyplot: the caller's backend is left alone.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_scale, ax_zero) = plt.subplots(1, 3, figsize=(16, 4.8), dpi=100)
+    fig = Figure(figsize=(16, 4.8), dpi=100)
+    ax_loss, ax_scale, ax_zero = fig.subplots(1, 3)
     colors = ("tab:blue", "tab:green", "tab:orange", "tab:red")
     styles = ("-", "--", ":", "-")
     for r, color, style in zip(results, colors, styles):
@@ -393,7 +391,6 @@ def plot_runs(results: list[RunResult], path, *, title: str = "") -> None:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, format="png")
-    plt.close(fig)
 
 
 def _smooth(x: np.ndarray, span: int = 20) -> np.ndarray:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_policy.loss_scale import LossScale, all_finite, select_tree
+from jmp_policy.core.loss_scale import LossScale, all_finite, select_tree
 
 
 class LossScaledState(NamedTuple):

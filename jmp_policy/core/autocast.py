@@ -1,0 +1,330 @@
+"""Op-level mixed precision: `autocast`, a transform over the traced program.
+
+`autocast(fn, policy)` traces `fn` to a jaxpr and runs it again equation by
+equation, choosing each operation's precision the way `torch.autocast` does:
+
+* `HALF_PRIMITIVES` (matmuls and convolutions) take `policy.compute_dtype`
+  operands and accumulate in float32 (`preferred_element_type=float32`), in the
+  forward *and* the backward pass (see `half_dot_general`). Their result keeps
+  the dtype the traced program gave it, so a float32 program stays float32
+  between matmuls.
+* `FLOAT32_PRIMITIVES` (exp, log, pow, sqrt, sums, products, ...) run in
+  float32 (or wider); so do the softmax, logsumexp, norm, variance and loss
+  patterns built from them. Their result stays float32.
+* `PROMOTE_PRIMITIVES` (elementwise arithmetic, comparisons, reshapes, max
+  reductions, ...) run in the widest floating dtype of their inputs.
+* Anything else runs as written: its floating inputs are cast back to the
+  dtypes the traced program had, so it always type-checks.
+
+Integers, booleans and PRNG keys are never touched, and explicit casts in the
+program are kept (so `jnp.mean` of a bf16 array, which sums in float32 and
+casts back, still returns bf16). Nested programs are rewritten too: `jit` and
+`checkpoint` as if inlined; `custom_jvp` functions (`jax.nn.relu`,
+`jax.nn.softmax`, ...) and their JVP rules, on inputs of the dtypes the rule
+was written for; `scan`, `while_loop` and `cond` with the input and output
+dtypes of the original, so loop carries and branches stay type-correct.
+
+Matmuls and convolutions run through `jmp_policy.core.matmul`, whose custom VJP
+keeps the backward products half x half with float32 accumulation too.
+
+References: PyTorch's `torch.autocast` (its float32 and "promote to widest
+input" op lists); Micikevicius et al., "Mixed Precision Training" (ICLR 2018);
+JAX's "Writing custom Jaxpr interpreters" tutorial.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jmp_policy.core import jax_internals as ji
+from jmp_policy.core.matmul import F32 as _F32
+from jmp_policy.core.matmul import accumulating_product, cast, is_float, product_of, widest
+from jmp_policy.core.policy import Policy, get_policy
+
+# Matmuls and convolutions: half operands, float32 accumulation.
+HALF_PRIMITIVES: frozenset[str] = frozenset({"dot_general", "conv_general_dilated"})
+
+# Run in float32 (or wider): exponentials and logarithms overflow or lose
+# everything in half precision, sums and products accumulate rounding error,
+# squares and powers overflow float16. torch.autocast keeps the same in float32.
+FLOAT32_PRIMITIVES: frozenset[str] = frozenset(
+    {
+        "exp", "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "square",
+        "sqrt", "rsqrt", "cbrt", "logistic", "erf", "erfc", "erf_inv", "lgamma",
+        "digamma", "polygamma", "igamma", "igammac", "igamma_grad_a", "zeta",
+        "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta", "tan", "asin",
+        "acos", "asinh", "acosh", "atanh", "sinh", "cosh",
+        "reduce_sum", "reduce_prod", "reduce_window_sum", "cumsum", "cumprod",
+        "cumlogsumexp",
+    }
+)  # fmt: skip
+
+# Run in the widest floating dtype of their inputs: exact or well conditioned
+# in any precision (max, min, argmax and comparisons are exact; tanh, sin and
+# cos are bounded), or only moving data around.
+PROMOTE_PRIMITIVES: frozenset[str] = frozenset(
+    {
+        "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "abs",
+        "sign", "floor", "ceil", "round", "nextafter", "atan2", "sin", "cos",
+        "tanh", "atan", "is_finite", "eq", "ne", "lt", "le", "gt", "ge",
+        "select_n", "clamp", "stop_gradient", "reduce_precision", "copy",
+        "broadcast_in_dim", "reshape", "squeeze", "transpose", "rev", "slice",
+        "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather",
+        "split", "tile", "reduce_max", "reduce_min", "argmax", "argmin", "cummax",
+        "cummin", "reduce_window_max", "reduce_window_min", "sharding_constraint",
+    }
+)  # fmt: skip
+
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rules:
+    compute_dtype: np.dtype
+    half: frozenset[str]
+    float32: frozenset[str]
+    promote: frozenset[str]
+    # "vjp": products through the custom VJP; "plain": lax products with
+    # float32 accumulation (inside JVP rules, whose tangent products JAX must
+    # transpose itself).
+    products: str = "vjp"
+
+
+def _as_original(eqn, invals):
+    """Casts floating inputs back to the dtypes the traced program had."""
+    return [
+        cast(x, v.aval.dtype) if is_float(x) and x.dtype != v.aval.dtype else x
+        for x, v in zip(invals, eqn.invars)
+    ]
+
+
+def _outputs_as(outs, dtypes):
+    return [cast(o, d) if is_float(o) else o for o, d in zip(outs, dtypes)]
+
+
+def _eval(jaxpr, consts, args, rules: _Rules) -> list[Any]:
+    return ji.eval_jaxpr(jaxpr, consts, args, functools.partial(_apply, rules=rules))
+
+
+def _rewrite_closed(closed, rules, in_dtypes, out_dtypes=None):
+    """The autocast version of a closed jaxpr, for inputs of `in_dtypes`.
+
+    With `out_dtypes`, the outputs are cast to them (loop carries and
+    branches must keep their types); otherwise they are what autocast makes.
+    """
+
+    def fn(*args):
+        outs = _eval(closed.jaxpr, closed.consts, args, rules)
+        return outs if out_dtypes is None else _outputs_as(outs, out_dtypes)
+
+    specs = [
+        jax.ShapeDtypeStruct(a.shape, d, weak_type=a.weak_type)
+        for a, d in zip(closed.in_avals, in_dtypes)
+    ]
+    return jax.make_jaxpr(fn)(*specs)
+
+
+def _call_rule(eqn, invals, rules):
+    # jit and closed_call: rewritten as if inlined, for the inputs they get.
+    name = ji.CALL_JAXPR_PARAM[eqn.primitive]
+    closed = _rewrite_closed(eqn.params[name], rules, [x.dtype for x in invals])
+    return ji.bind(eqn, invals, {**eqn.params, name: closed})
+
+
+def _control_flow_rule(eqn, invals, rules):
+    def rewrite(closed):
+        in_dtypes, out_dtypes = ([a.dtype for a in x] for x in (closed.in_avals, closed.out_avals))
+        return _rewrite_closed(closed, rules, in_dtypes, out_dtypes)
+
+    params = dict(eqn.params)
+    for name in ji.CONTROL_FLOW_JAXPR_PARAMS[eqn.primitive]:
+        value = params[name]
+        params[name] = tuple(map(rewrite, value)) if isinstance(value, tuple) else rewrite(value)
+    return ji.bind(eqn, _as_original(eqn, invals), params)
+
+
+def _remat_rule(eqn, invals, rules):
+    jaxpr = eqn.params["jaxpr"]
+
+    def body(*args):
+        return _eval(jaxpr, (), args, rules)
+
+    return jax.checkpoint(body, **ji.remat_options(eqn))(*invals)
+
+
+def _custom_jvp_rule(eqn, invals, rules):
+    # Inputs take the dtypes the JVP rule was written for; outputs are free.
+    args = _as_original(eqn, invals)
+    call = ji.custom_jvp_primal(eqn)
+    if not all(is_float(a) for a in (*call.in_avals, *call.out_avals)):
+        return ji.bind(eqn, args)  # Ints would need float0 tangents: run as written.
+
+    def primal(*xs):
+        return _eval(call.jaxpr, call.consts, xs, rules)
+
+    out_dtypes = [o.dtype for o in jax.eval_shape(primal, *args)]
+    f = jax.custom_jvp(primal)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        # The original rule, traced and autocast, so that e.g. softmax's
+        # exp and sum also run in float32 under `jax.grad`.
+        def jvp(primals, tangents):
+            return jax.jvp(lambda *xs: ji.bind(eqn, xs), primals, tangents)
+
+        jvp_rules = dataclasses.replace(rules, products="plain")
+        out, out_dot = _trace_and_eval(jvp, (tuple(primals), tuple(tangents)), jvp_rules)
+        return _outputs_as(out, out_dtypes), _outputs_as(out_dot, out_dtypes)
+
+    return f(*args)
+
+
+_HIGHER_ORDER = {p: _control_flow_rule for p in ji.CONTROL_FLOW_JAXPR_PARAMS}
+_HIGHER_ORDER.update({p: _call_rule for p in ji.CALL_JAXPR_PARAM})
+_HIGHER_ORDER[ji.remat_p] = _remat_rule
+_HIGHER_ORDER[ji.custom_jvp_call_p] = _custom_jvp_rule
+
+
+def _product_rule(eqn, invals, rules):
+    lhs, rhs = invals
+    c, out_dtype = rules.compute_dtype, eqn.outvars[0].aval.dtype
+    if out_dtype == c:
+        # The program asked for a half result: JAX's own backward is half too.
+        return ji.bind(eqn, [cast(lhs, c), cast(rhs, c)])
+    product = product_of(eqn)
+    if rules.products == "plain" or c.itemsize >= _F32.itemsize:
+        return cast(product(cast(lhs, c), cast(rhs, c), _F32), out_dtype)
+    return accumulating_product(product, lhs, rhs, c, out_dtype)
+
+
+def _apply(eqn, invals, rules):
+    prim, name = eqn.primitive, eqn.primitive.name
+    if prim in _HIGHER_ORDER:
+        return _HIGHER_ORDER[prim](eqn, invals, rules)
+    if prim is ji.convert_element_type_p:
+        x, new_dtype = invals[0], np.dtype(eqn.params["new_dtype"])
+        return x if x.dtype == new_dtype else ji.bind(eqn, invals)
+    floats = [i for i, x in enumerate(invals) if is_float(x)]
+    if not floats or not (name in rules.half or name in rules.float32 or name in rules.promote):
+        return ji.bind(eqn, _as_original(eqn, invals))  # Unknown: run as written.
+    if name in rules.half:
+        if len(invals) == 2 and len(floats) == 2 and is_float(eqn.outvars[0].aval):
+            return _product_rule(eqn, invals, rules)
+        return ji.bind(eqn, _as_original(eqn, invals))
+    strong = [invals[i].dtype for i in floats if not eqn.invars[i].aval.weak_type]
+    target = widest(strong or [invals[i].dtype for i in floats])
+    if name in rules.float32:
+        target = _F32 if target.itemsize < _F32.itemsize else target
+    args = [cast(x, target) if i in floats else x for i, x in enumerate(invals)]
+    return ji.bind(eqn, args)
+
+
+def _trace_and_eval(fn, args, rules):
+    """Traces `fn(*args)` and runs it again under `rules`; array leaves are traced."""
+    leaves, treedef = jax.tree.flatten(args)
+    arrays = (jax.Array, np.ndarray, np.generic)
+    dynamic = [i for i, x in enumerate(leaves) if isinstance(x, arrays)]
+
+    def flat_fn(*values):
+        full = list(leaves)
+        for i, x in zip(dynamic, values):
+            full[i] = x
+        return fn(*jax.tree.unflatten(treedef, full))
+
+    values = [leaves[i] for i in dynamic]
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*values)
+    outs = _eval(closed.jaxpr, closed.consts, values, rules)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
+    if isinstance(ops, str):
+        ops = [ops]
+    names = set()
+    for op in ops:
+        name = op if isinstance(op, str) else getattr(op, "name", None)
+        if not isinstance(name, str):
+            raise TypeError(
+                f"autocast({arg}=...) takes primitive names or primitives "
+                f"(e.g. 'exp' or jax.extend.core.primitives.exp_p), got {op!r}."
+            )
+        names.add(name)
+    return frozenset(names)
+
+
+def autocast(
+    fn: Callable,
+    policy: Policy | str,
+    *,
+    half_primitives: Iterable[Any] = HALF_PRIMITIVES,
+    float32_primitives: Iterable[Any] = FLOAT32_PRIMITIVES,
+    promote_primitives: Iterable[Any] = PROMOTE_PRIMITIVES,
+) -> Callable:
+    """Runs `fn` with matmuls in half precision and sensitive ops in float32.
+
+    A transform over the traced program of any JAX function (plain `jnp`, Flax
+    linen or NNX, Equinox), in the spirit of `torch.autocast`: see the module
+    docstring for the rules. Arrays keep the dtypes they are given (storage is
+    `Policy.cast_to_param`'s job); only the operations are rewritten, and the
+    floating results are cast to `policy.output_dtype`. `param_dtype` is not
+    used. Array arguments are traced, anything else is static. Each call traces
+    `fn` again, so call it under `jax.jit`.
+
+    Composes with `jax.jit`, `jax.grad`, `jax.vmap`, `lax.scan` and
+    `jax.checkpoint` on either side. Autocast of an autocast function: the
+    inner one decides for the operations inside it. Not supported: forward-mode
+    differentiation (`jax.jvp`, `jax.jacfwd`) through the half matmuls, which
+    carry a `jax.custom_vjp`; user `custom_vjp` functions and `shard_map`
+    bodies run as written.
+
+    Args:
+      fn: the function to transform.
+      policy: a `Policy` or a spec for `get_policy` (e.g. "mixed_bfloat16").
+      half_primitives: names of primitives that run on `compute_dtype`
+        operands with float32 accumulation (bilinear ones only).
+      float32_primitives: names of primitives that run in float32.
+      promote_primitives: names of primitives that run in the widest floating
+        dtype of their inputs. Extend a list with e.g.
+        `float32_primitives=FLOAT32_PRIMITIVES | {"tanh"}`. A name in several
+        lists takes the first of half, float32, promote.
+
+    Returns:
+      The transformed function, with `fn`'s signature.
+
+    Raises:
+      TypeError: if `fn` is not callable, or a primitive list holds something
+        other than names or primitives.
+
+    >>> import jax, jax.numpy as jnp
+    >>> import jmp_policy as jmp
+    >>> from jmp_policy import autocast
+    >>> def f(x, w):
+    ...   return jax.nn.softmax(x @ w)
+    >>> g = autocast(f, "mixed_bfloat16")
+    >>> x, w = jnp.linspace(-1, 1, 6).reshape(2, 3), jnp.ones((3, 4))
+    >>> g(x, w).dtype
+    dtype('float32')
+    >>> bool(jnp.allclose(jax.jit(g)(x, w), f(x, w), atol=1e-2))
+    True
+    """
+    if not callable(fn):
+        raise TypeError(f"autocast expects a function as its first argument, got {fn!r}.")
+    policy = get_policy(policy)
+    rules = _Rules(
+        compute_dtype=policy.compute_dtype,
+        half=_primitive_names(half_primitives, "half_primitives"),
+        float32=_primitive_names(float32_primitives, "float32_primitives"),
+        promote=_primitive_names(promote_primitives, "promote_primitives"),
+    )
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        outs = _trace_and_eval(lambda a, k: fn(*a, **k), (args, kwargs), rules)
+        return policy.cast_to_output(outs)
+
+    return wrapped

@@ -1,0 +1,313 @@
+"""Matrix products on half operands with float32 accumulation, in both passes.
+
+The known trap: `lax.dot_general(x_half, w_half, preferred_element_type=float32)`
+has a float32 result, so JAX's backward pass multiplies the float32 cotangent by
+the saved half operand and the weight-gradient matmul runs float32 x float32
+(no Tensor Cores). `half_dot_general` and `half_conv_general_dilated` carry a
+`jax.custom_vjp` whose backward products take half operands and accumulate in
+float32 too. Reference: Micikevicius et al., "Mixed Precision Training" (ICLR
+2018), section 3.3.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jmp_policy.core import jax_internals as ji
+
+F32 = np.dtype(np.float32)
+_HALF_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+# `product(lhs, rhs, preferred_element_type)`: a bilinear dot or convolution.
+Product = Callable[[Any, Any, Any], Any]
+
+
+
+def is_float(x: Any) -> bool:
+    """Whether `x` is a real floating array (jax, numpy or a tracer)."""
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def cast(x: Any, dtype: np.dtype) -> Any:
+    """`x` in `dtype`: as is if it already is, a numpy constant stays a constant."""
+    if x.dtype == dtype:
+        return x
+    if isinstance(x, (np.ndarray, np.generic)):
+        return np.asarray(x, dtype)  # A constant: no convert op.
+    return lax.convert_element_type(x, dtype)
+
+
+def widest(dtypes: Iterable[np.dtype]) -> np.dtype:
+    """The widest floating dtype; bfloat16 and float16 meet at float32."""
+    dtypes = {np.dtype(d) for d in dtypes}
+    wide = max(dtypes, key=lambda d: d.itemsize)
+    if sum(d.itemsize == wide.itemsize for d in dtypes) > 1:
+        return F32 if wide.itemsize < 4 else wide
+    return wide
+
+
+# XLA:CPU hands a bf16 x bf16 -> f32 dot to XNNPACK on CPUs with bfloat16
+# instructions (AVX512-BF16, AMX) and may fold operand transposes into it,
+# which XNNPACK rejects; the fallback then fails with "UNIMPLEMENTED:
+# Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32". Seen with
+# jaxlib 0.10.2 in the backward pass of attention (reproduced by
+# tests/test_autocast.py::test_transformer_block_train_step_all_products_half
+# with the workaround off); no upstream report was found to cite. On such
+# CPUs these dots are emitted as a [B, K, M] x [B, K, N] product, which
+# XLA:CPU computes in float32 from the bf16 operands (the same values). Other
+# CPUs and other platforms get the dot as written.
+# JMP_POLICY_CPU_BF16_DOT_WORKAROUND=1 or 0 forces it on or off (to check a
+# newer jaxlib).
+def cpu_bf16_dot_workaround(env: Mapping[str, str] = os.environ, cpuinfo: str | None = None) -> bool:
+    """Whether bf16 x bf16 -> f32 dots on CPU take the form XLA:CPU can run."""
+    forced = env.get("JMP_POLICY_CPU_BF16_DOT_WORKAROUND")
+    if forced in ("0", "1"):
+        return forced == "1"
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return True  # Cannot tell: the safe form (same values).
+    return any(flag in cpuinfo.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+_CPU_BF16_DOT_WORKAROUND = cpu_bf16_dot_workaround()
+
+
+def dot_product(dimension_numbers: Any, precision: Any = None, out_sharding: Any = None) -> Product:
+    """`lax.dot_general` as a `product(lhs, rhs, preferred_element_type)`."""
+    dims = jax.tree.map(int, dimension_numbers)
+
+    def dot(a, b, pet):
+        return lax.dot_general(a, b, dims, precision, pet, out_sharding=out_sharding)
+
+    def product(a, b, pet):
+        bf16_to_f32 = a.dtype == jnp.bfloat16 and pet == F32 and out_sharding is None
+        if not (bf16_to_f32 and _CPU_BF16_DOT_WORKAROUND):
+            return dot(a, b, pet)
+        cpu = functools.partial(_cpu_dot, dims=dims, precision=precision)
+        return lax.platform_dependent(a, b, cpu=cpu, default=functools.partial(dot, pet=pet))
+
+    return product
+
+
+def _cpu_dot(lhs, rhs, dims, precision):
+    (lc, rc), (lb, rb) = dims
+    lf = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
+    rf = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
+    shape = [lhs.shape[d] for d in (*lb, *lf)] + [rhs.shape[d] for d in rf]
+    b, k = _size(lhs, lb), _size(lhs, lc)
+    lhs = lax.transpose(lhs, (*lb, *lc, *lf)).reshape(b, k, _size(lhs, lf))
+    rhs = lax.transpose(rhs, (*rb, *rc, *rf)).reshape(b, k, _size(rhs, rf))
+    out = lax.dot_general(lhs, rhs, (((1,), (1,)), ((0,), (0,))), precision, F32)
+    return out.reshape(shape)
+
+
+def _size(x, dims):
+    return int(np.prod([x.shape[d] for d in dims], dtype=int))
+
+
+def product_of(eqn: ji.JaxprEqn) -> Product:
+    """A `dot_general` or `conv_general_dilated` equation as a `product` function."""
+    p = eqn.params
+    if eqn.primitive is ji.dot_general_p:
+        return dot_product(p["dimension_numbers"], p["precision"], p.get("out_sharding"))
+
+    def conv(a, b, pet):
+        return ji.bind(eqn, [a, b], {**p, "preferred_element_type": pet})
+
+    return conv
+
+
+def _accumulate_in_float32(eqn: ji.JaxprEqn, invals: list[Any]) -> Any:
+    """Runs one equation of a transposed product: products accumulate into float32."""
+    if eqn.primitive in (ji.dot_general_p, ji.conv_general_dilated_p):
+        return product_of(eqn)(*invals, F32)
+    # Layout ops between products (transpose, reshape, rev, pad) take the
+    # widest input dtype, so a float32 partial result is never rounded to half.
+    floats = [x.dtype for x in invals if is_float(x)]
+    if len(set(floats)) > 1:
+        target = widest(floats)
+        invals = [cast(x, target) if is_float(x) else x for x in invals]
+    return ji.bind(eqn, invals)
+
+
+def accumulating_product(
+    product: Product, lhs: Any, rhs: Any, compute_dtype: np.dtype, out_dtype: np.dtype
+) -> jax.Array:
+    """`product(lhs, rhs)` on half operands with float32 accumulation, both passes.
+
+    `product(a, b, preferred_element_type)` is bilinear (a dot or a convolution).
+    Forward: half x half -> float32, cast to `out_dtype`; the half operands are
+    saved. Backward: the cotangent is cast to half, each transposed product is
+    half x half -> float32, and is cast to its primal's dtype.
+    """
+    lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
+
+    @jax.custom_vjp
+    def f(lhs, rhs):
+        return fwd(lhs, rhs)[0]
+
+    def fwd(lhs, rhs):
+        lhs, rhs = cast(lhs, compute_dtype), cast(rhs, compute_dtype)
+        return cast(product(lhs, rhs, F32), out_dtype), (lhs, rhs)
+
+    def bwd(res, g):
+        lhs, rhs = res
+        g = cast(g, compute_dtype)
+
+        def transposes(a, b, g):
+            # JAX's own transpose rules, traced on half values ...
+            (a_bar,) = jax.linear_transpose(lambda x: product(x, b, None), a)(g)
+            (b_bar,) = jax.linear_transpose(lambda y: product(a, y, None), b)(g)
+            return a_bar, b_bar
+
+        closed = jax.make_jaxpr(transposes)(lhs, rhs, g)
+        # ... then run with each product accumulating into float32.
+        args = [lhs, rhs, g]
+        lhs_bar, rhs_bar = ji.eval_jaxpr(closed.jaxpr, closed.consts, args, _accumulate_in_float32)
+        return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
+
+    f.defvjp(fwd, bwd)
+    return f(lhs, rhs)
+
+
+def _half_compute_dtype(compute_dtype, lhs, rhs) -> np.dtype:
+    """`compute_dtype` checked, or by default the operands' half dtype (else bfloat16)."""
+    if compute_dtype is None:
+        # float16 operands stay float16: bfloat16 would drop 3 mantissa bits.
+        halves = [x.dtype for x in (lhs, rhs) if x.dtype in _HALF_DTYPES]
+        return np.dtype(halves[0]) if halves else _HALF_DTYPES[0]
+    try:
+        dtype = np.dtype(compute_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in _HALF_DTYPES:
+        raise TypeError(
+            f"compute_dtype must be jnp.bfloat16, jnp.float16 or None (the operands' "
+            f"half dtype, else bfloat16), got {compute_dtype!r}."
+        )
+    return dtype
+
+
+def _result_dtype(lhs, rhs, preferred_element_type) -> np.dtype:
+    if preferred_element_type is not None:
+        return np.dtype(preferred_element_type)
+    return widest([lhs.dtype, rhs.dtype])
+
+
+def half_dot_general(
+    lhs,
+    rhs,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    out_sharding=None,
+    compute_dtype=None,
+):
+    """`lax.dot_general` on half operands with float32 accumulation in both passes.
+
+    A drop-in for `lax.dot_general` (same arguments and result dtype), e.g. for
+    Flax's `nn.Dense(..., dot_general=half_dot_general)` or `nnx.Linear`.
+    Floating operands are cast to `compute_dtype` and multiplied with float32
+    accumulation; the result takes `preferred_element_type`, or else the
+    operands' (widest) dtype. The half operands are what is saved for the
+    backward pass. A `jax.custom_vjp` makes the two backward products
+    half x half with float32 accumulation as well, and returns cotangents in the
+    operands' own dtypes. Non-floating operands fall back to `lax.dot_general`.
+    By default the product runs in the operands' half dtype (float16 under a
+    float16 policy, bfloat16 under a bfloat16 one) and in bfloat16 for
+    float32 operands; `compute_dtype` fixes it.
+
+    Args:
+      lhs, rhs, dimension_numbers, precision, preferred_element_type,
+        out_sharding: as in `lax.dot_general`.
+      compute_dtype: the dtype the operands are multiplied in: jnp.bfloat16,
+        jnp.float16, or None for the operands' half dtype (else bfloat16).
+
+    Returns:
+      The product, in the dtype `lax.dot_general` would give.
+
+    Raises:
+      TypeError: if `compute_dtype` is not a half dtype or None.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jmp_policy import half_dot_general
+    >>> x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+    >>> y = half_dot_general(x, w, (((1,), (0,)), ((), ())))
+    >>> y.dtype, float(y[0, 0])
+    (dtype('float32'), 3.0)
+    >>> jax.grad(lambda w: half_dot_general(x, w, (((1,), (0,)), ((), ()))).sum())(w).dtype
+    dtype('float32')
+    """
+    dims = jax.tree.map(int, dimension_numbers)
+    if not (is_float(lhs) and is_float(rhs)):
+        return lax.dot_general(lhs, rhs, dims, precision, preferred_element_type,
+                               out_sharding=out_sharding)  # fmt: skip
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
+    compute = _half_compute_dtype(compute_dtype, lhs, rhs)
+
+    product = dot_product(dims, precision, out_sharding)
+    return accumulating_product(product, lhs, rhs, compute, out_dtype)
+
+
+def half_conv_general_dilated(
+    lhs,
+    rhs,
+    window_strides,
+    padding,
+    lhs_dilation=None,
+    rhs_dilation=None,
+    dimension_numbers=None,
+    feature_group_count=1,
+    batch_group_count=1,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    compute_dtype=None,
+):
+    """`lax.conv_general_dilated` on half operands, float32 accumulation in both passes.
+
+    The convolution counterpart of `half_dot_general`, a drop-in for Flax's
+    `nn.Conv(..., conv_general_dilated=half_conv_general_dilated)`.
+
+    Args:
+      lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+        dimension_numbers, feature_group_count, batch_group_count, precision,
+        preferred_element_type: as in `lax.conv_general_dilated`.
+      compute_dtype: as in `half_dot_general`.
+
+    Returns:
+      The convolution, in the dtype `lax.conv_general_dilated` would give.
+
+    >>> import jax.numpy as jnp
+    >>> from jmp_policy import half_conv_general_dilated
+    >>> y = half_conv_general_dilated(jnp.ones((1, 2, 5)), jnp.ones((3, 2, 2)), (1,), "VALID")
+    >>> y.shape, y.dtype
+    ((1, 3, 4), dtype('float32'))
+    """
+
+    def product(a, b, pet):
+        return lax.conv_general_dilated(
+            a, b, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+            feature_group_count, batch_group_count, precision, pet,
+        )  # fmt: skip
+
+    if not (is_float(lhs) and is_float(rhs)):
+        return product(lhs, rhs, preferred_element_type)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
+    compute = _half_compute_dtype(compute_dtype, lhs, rhs)
+    return accumulating_product(product, lhs, rhs, compute, out_dtype)
+
+

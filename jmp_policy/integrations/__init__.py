@@ -1,0 +1,1 @@
+"""The Flax integrations (linen, NNX) and their shared rule engine: the only place Flax is imported."""

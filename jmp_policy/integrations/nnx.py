@@ -1,0 +1,237 @@
+"""Mixed precision policies for Flax NNX modules (public as `jmp_policy.nnx`).
+
+NNX has no method interceptors, so the policy is applied to the module
+itself, once: `with_policy` returns a copy of the module whose submodules have
+their `dtype` (computation) and `param_dtype` (storage) attributes set and
+whose `nnx.Param`s are cast to the param dtype. Flax's NNX layers cast their
+inputs and parameters to `dtype` on every call (`promote_dtype`), so a float32
+LayerNorm does not make the next matmul float32: the next Linear casts the
+norm's output back. Norms are therefore left in float32 by default.
+`PolicyModule` adds the policy's casts at the model's boundary: inputs to
+compute, result to output.
+
+Both are plain NNX modules: they work under `nnx.jit`, `nnx.value_and_grad`
+and `nnx.Optimizer`, and as the dtypes are static attributes, a jitted step
+traces again for a module under another policy (no stale trace).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import numpy as np
+from flax import nnx
+
+from jmp_policy.core.loss_scale import LossScale
+from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
+from jmp_policy.core.policy import Policy, get_policy
+from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet
+
+M = TypeVar("M", bound=nnx.Module)
+PathParts = tuple[Any, ...]
+
+
+# Norms compute in at least float32 unless a rule names them: their statistics
+# are float32 anyway, and Flax's NNX norms reject half inputs under strict dtype
+# promotion (`jnp.promote_types(bfloat16, float32)`). Their float32 output costs
+# no matmul precision: the next NNX layer casts its inputs to its own dtype.
+_NORMS = (nnx.BatchNorm, nnx.GroupNorm, nnx.InstanceNorm, nnx.LayerNorm, nnx.RMSNorm)
+
+
+def _norm_policy(policy: Policy) -> Policy:
+    if policy.compute_dtype.itemsize >= 4:
+        return policy
+    return policy.with_compute_dtype(np.float32)
+
+
+def _path_str(path: PathParts) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def _nearest_prefix(path: PathParts, paths) -> PathParts:
+    """The longest proper prefix of `path` in `paths`: a node's module, a module's parent."""
+    for i in range(len(path) - 1, 0, -1):
+        if path[:i] in paths:
+            return path[:i]
+    return ()
+
+
+def _module_policies(module: nnx.Module, rules: RuleSet, policy: Policy) -> dict[PathParts, Policy]:
+    """The policy of every submodule, by path: its best rule, else its parent's."""
+    modules = dict(nnx.iter_modules(module))
+    matched: set[str] = set()
+    resolved: dict[PathParts, Policy] = {}
+    for path in sorted(modules, key=len):  # Parents before their children.
+        inherited = resolved[_nearest_prefix(path, resolved)] if path else policy
+        best, named = rules.policy_for(modules[path], _path_str(path), inherited, matched)
+        if not named and isinstance(modules[path], _NORMS):
+            best = _norm_policy(best)
+        resolved[path] = best
+    rules.check_all_matched(matched, (_path_str(p) for p in modules if p))
+    return resolved
+
+
+def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) -> M:
+    """Returns a copy of an NNX module that computes under a mixed precision policy.
+
+    Every submodule that has a `dtype` attribute gets the compute dtype and
+    every one with a `param_dtype` attribute the param dtype, also where they
+    were `None` or float32; the existing `nnx.Param`s of each module are cast
+    to its param dtype. Flax's NNX layers cast their inputs and parameters to
+    `dtype` when called, so matmuls take compute-dtype operands (also after a
+    float32 norm) while the stored parameters, and hence the gradients and
+    the optimizer's updates, stay in the param dtype. Batch statistics and
+    other non-`Param` variables keep their dtype (Flax's are float32).
+
+    Normalisation layers (`nnx.LayerNorm`, `RMSNorm`, `BatchNorm`,
+    `GroupNorm`, `InstanceNorm`) that no rule names compute in float32 (in
+    the compute dtype if that is wider) and return float32, as under
+    `torch.autocast`: their statistics are float32 anyway, Flax's NNX norms
+    reject half inputs under strict dtype promotion, and the next NNX layer
+    casts their output back to its own dtype, so no matmul becomes float32.
+    A rule naming a norm (e.g. `{nnx.LayerNorm: policy}`) overrides this.
+
+    The copy (`nnx.clone`) has new `Variable`s, sharing arrays not cast, so
+    the original module is left unchanged, and updating the copy (with an
+    `nnx.Optimizer`) does not update the original. Its class, attributes and
+    state paths are the module's: checkpoints and optimizers built for the
+    module fit it. Its result is in the dtype its last layer computes in;
+    wrap it in a `PolicyModule` to get inputs cast to compute and the result
+    to output.
+
+    Rules override the policy per module class or path, exactly as in
+    `jmp_policy.with_policy` for linen:
+
+    * a class (an `nnx.Module` subclass) matches its subclasses; the nearest
+      class in the module's MRO wins;
+    * a path pattern (`fnmatch`, where `*` also matches `/`) is matched
+      against the module's path from `nnx.iter_modules`, its parts joined by
+      `/`, such as `"blocks/0/norm"`; it beats any class rule, and the
+      pattern with more literal characters wins; a pattern that matches no
+      module is an error (a typo, most likely);
+    * remaining ties go to the rule listed first;
+    * a module without a matching rule inherits its parent's policy (a norm
+      its parent's, computing in at least float32).
+
+    Modules without a `dtype` attribute (custom modules doing their own
+    `jnp` maths) compute in the dtype of whatever they are given.
+
+    Args:
+      module: the `nnx.Module` (a model, or a `PolicyModule`'s `.module`).
+      policy: a `Policy` or a spec such as `"mixed_bfloat16"`.
+      rules: optional `{nnx.Module subclass or path pattern: Policy or spec}`.
+
+    Returns:
+      The configured copy, of the module's own class.
+
+    Raises:
+      TypeError: if `module` is not an `nnx.Module`, or a rule key or value
+        is of the wrong type.
+      ValueError: if a policy spec is malformed or a path pattern matches no
+        submodule.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jmp_policy.nnx
+    >>> model = nnx.Sequential(
+    ...     nnx.Linear(3, 8, rngs=nnx.Rngs(0)), nnx.LayerNorm(8, rngs=nnx.Rngs(0)),
+    ...     nnx.Linear(8, 2, rngs=nnx.Rngs(0)))
+    >>> mixed = jmp_policy.nnx.with_policy(model, "mixed_bfloat16", rules={"layers/2": "f32"})
+    >>> mixed.layers[0].dtype, mixed.layers[0].kernel.dtype, model.layers[0].dtype
+    (dtype(bfloat16), dtype('float32'), None)
+    >>> mixed(jnp.ones((4, 3))).dtype  # The last Linear computes in float32.
+    dtype('float32')
+    """
+    if not isinstance(module, nnx.Module):
+        raise TypeError(
+            f"jmp_policy.nnx.with_policy expects a flax.nnx.Module, got {module!r}; "
+            "for a linen model.apply or a plain function use jmp_policy.with_policy."
+        )
+    policy = get_policy(policy)
+    rule_set = RuleSet(rules, nnx.Module, "blocks/*/norm")
+    mixed = nnx.clone(module)
+    policies = _module_policies(mixed, rule_set, policy)
+    modules = dict(nnx.iter_modules(mixed))
+    for path, sub in modules.items():
+        p = policies[path]
+        for name, dtype in (("dtype", p.compute_dtype), ("param_dtype", p.param_dtype)):
+            if hasattr(sub, name):
+                setattr(sub, name, dtype)
+    for path, node in nnx.iter_graph(mixed):
+        if isinstance(node, nnx.Param):
+            value = node.get_value()
+            cast = policies[_nearest_prefix(path, modules)].cast_to_param(value)
+            if cast is not value:
+                node.set_value(cast)
+    return mixed
+
+
+class PolicyModule(nnx.Module):
+    """An NNX module under a policy, with the policy's casts at its boundary.
+
+    `PolicyModule(module, policy, rules=...)` holds `with_policy(module,
+    policy, rules=rules)` as `.module` (a copy: `module` is left unchanged).
+    Calling it casts the floating arguments to the compute dtype, calls the
+    module, and casts the floating results to the output dtype; integers
+    (token ids), booleans and other arguments pass through. This is what
+    `jmp_policy.with_policy` does for a linen `model.apply`. Its state is the
+    module's under the prefix `module`; call other methods through `.module`.
+
+    Args:
+      module: the `nnx.Module` to run under the policy.
+      policy: a `Policy` or a spec such as `"mixed_bfloat16"`.
+      rules: optional per-class or per-path rules, as in `with_policy`.
+
+    Raises:
+      TypeError, ValueError: as `with_policy`.
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import jmp_policy as jmp
+    >>> import jmp_policy.nnx
+    >>> model = jmp_policy.nnx.PolicyModule(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16")
+    >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    >>> @nnx.jit
+    ... def train_step(model, optimizer, x):
+    ...     loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
+    ...     optimizer.update(model, grads)
+    ...     return loss
+    >>> loss = train_step(model, optimizer, jnp.ones((4, 3)))
+    >>> model(jnp.ones((4, 3))).dtype, model.module.kernel.dtype, model.module.dtype
+    (dtype('float32'), dtype('float32'), dtype(bfloat16))
+    """
+
+    def __init__(self, module: nnx.Module, policy: PolicyLike, *, rules: Rules | None = None):
+        self.policy = get_policy(policy)
+        self.module = with_policy(module, self.policy, rules=rules)
+
+    def __call__(self, *args, **kwargs):
+        args, kwargs = self.policy.cast_to_compute((args, kwargs))
+        return self.policy.cast_to_output(self.module(*args, **kwargs))
+
+
+def get_loss_scale(optimizer: nnx.Optimizer | Any) -> LossScale:
+    """Returns the current `LossScale` of an `nnx.Optimizer` (or of its `opt_state`).
+
+    `nnx.Optimizer` keeps each array of the optax state in an `OptState`
+    variable; `jmp_policy.get_loss_scale(optimizer.opt_state)` finds the loss
+    scale but returns it with those variables as its leaves. This returns it
+    with plain arrays, as for an optax state.
+
+    Raises:
+      ValueError: if the state holds no `LossScaledState`, or more than one.
+
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import jmp_policy as jmp
+    >>> import jmp_policy.nnx
+    >>> tx = jmp.loss_scaled(optax.sgd(0.1), jmp.DynamicLossScale(2.0**15))
+    >>> optimizer = nnx.Optimizer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tx, wrt=nnx.Param)
+    >>> jmp_policy.nnx.get_loss_scale(optimizer).loss_scale
+    Array(32768., dtype=float32)
+    """
+    state = optimizer.opt_state if isinstance(optimizer, nnx.Optimizer) else optimizer
+    return _get_loss_scale(nnx.as_pure(state))
+
+
+
