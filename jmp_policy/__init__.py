@@ -26,6 +26,7 @@ from jmp_policy.core.loss_scale import select_tree
 from jmp_policy.core.loss_scaled import LossScaledState
 from jmp_policy.core.loss_scaled import get_loss_scale
 from jmp_policy.core.loss_scaled import loss_scaled
+from jmp_policy.core.matmul import fp8_dot_general
 from jmp_policy.core.matmul import half_conv_general_dilated
 from jmp_policy.core.matmul import half_dot_general
 from jmp_policy.core.policy import Policy
@@ -79,6 +80,7 @@ __all__ = (
     "cast_to_half",
     "diagnose",
     "get_loss_scale",
+    "fp8_dot_general",
     "get_policy",
     "half_conv_general_dilated",
     "half_dot_general",

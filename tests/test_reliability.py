@@ -700,14 +700,15 @@ class _NnxModel(nnx.Module):
 _SPEC_TYPOS = [
     # (spec, the part the message must quote, what it must offer)
     ("mixed_bfloat61", "'mixed_bfloat61'", "did you mean 'mixed_bfloat16'"),
-    ("mixed_float", "'mixed_float'", "did you mean 'mixed_float16'"),
+    # Two presets are this close since mixed_float8; difflib offers the nearer.
+    ("mixed_float", "'mixed_float'", "did you mean 'mixed_float8'"),
     ("mixed-bfloat16", "'mixed-bfloat16'", "did you mean 'mixed_bfloat16'"),
     ("bfloat61", "'bfloat61'", "did you mean 'bfloat16'"),
     ("p=f32,c=bf61", "'bf61'", "accepted dtype names are bf16"),
     ("p=f32,c=bf16,o=f23", "'f23'", "accepted dtype names are bf16"),
     ("param=f32", "'param'", "accepted keys are p, params"),
     ("p=f32;c=bf16", "'p=f32;c=bf16'", "each part must be key=dtype"),
-    ("p:f32", "'p:f32'", "a preset (mixed_bfloat16, mixed_float16)"),
+    ("p:f32", "'p:f32'", "a preset (mixed_bfloat16, mixed_float16, mixed_float8)"),
 ]
 
 

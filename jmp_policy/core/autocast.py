@@ -7,7 +7,9 @@ equation, choosing each operation's precision the way `torch.autocast` does:
   operands and accumulate in float32 (`preferred_element_type=float32`), in the
   forward *and* the backward pass (see `half_dot_general`). Their result keeps
   the dtype the traced program gave it, so a float32 program stays float32
-  between matmuls.
+  between matmuls. Where the policy has a `matmul_dtype`, every `dot_general`
+  takes that instead: half operands (`half_dot_general`) or FP8
+  (`fp8_dot_general`); convolutions stay in the compute dtype.
 * `FLOAT32_PRIMITIVES` (exp, log, pow, sqrt, sums, products, ...) run in
   float32 (or wider); so do the softmax, logsumexp, norm, variance and loss
   patterns built from them. Their result stays float32.
@@ -44,7 +46,9 @@ import numpy as np
 
 from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.matmul import F32 as _F32
+from jmp_policy.core.matmul import E4M3 as _E4M3
 from jmp_policy.core.matmul import accumulating_product, cast, is_float, product_of, widest
+from jmp_policy.core.matmul import fp8_product
 from jmp_policy.core.policy import Policy, get_policy
 
 # Matmuls and convolutions: half operands, float32 accumulation.
@@ -93,6 +97,9 @@ class _Rules:
     # float32 accumulation (inside JVP rules, whose tangent products JAX must
     # transpose itself).
     products: str = "vjp"
+    # The policy's matmul dtype: every dot_general takes its product (None:
+    # the compute dtype, as above).
+    matmul_dtype: np.dtype | None = None
 
 
 def _as_original(eqn, invals):
@@ -190,7 +197,28 @@ _HIGHER_ORDER[ji.remat_p] = _remat_rule
 _HIGHER_ORDER[ji.custom_jvp_call_p] = _custom_jvp_rule
 
 
+def _matmul_dtype_product(eqn, invals, rules):
+    """A dot_general under the policy's matmul dtype, or None where that does not apply."""
+    m = rules.matmul_dtype
+    if m is None or eqn.primitive is not ji.dot_general_p:
+        return None  # Convolutions run in the compute dtype, also under FP8.
+    lhs, rhs = invals
+    product, out_dtype = product_of(eqn), eqn.outvars[0].aval.dtype
+    if rules.products == "vjp":
+        if m == _E4M3:
+            return fp8_product(product, lhs, rhs, out_dtype)
+        return accumulating_product(product, lhs, rhs, m, out_dtype)
+    if m == _E4M3:
+        # Inside a JVP rule JAX transposes the products itself, which an
+        # unscaled FP8 cast cannot survive: the compute dtype there.
+        return None
+    return cast(product(cast(lhs, m), cast(rhs, m), _F32), out_dtype)
+
+
 def _product_rule(eqn, invals, rules):
+    out = _matmul_dtype_product(eqn, invals, rules)
+    if out is not None:
+        return out
     lhs, rhs = invals
     c, out_dtype = rules.compute_dtype, eqn.outvars[0].aval.dtype
     if out_dtype == c:
@@ -257,6 +285,29 @@ def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
     return frozenset(names)
 
 
+def matmuls_in(fn: Callable, matmul_dtype: Any) -> Callable:
+    """`fn` with every `dot_general` taking `matmul_dtype`'s product; all else as written.
+
+    For code with no `dot_general` hook (NNX's attention einsums): half
+    operands with float32 accumulation, or FP8 (`fp8_dot_general`), forward
+    and backward. Each product keeps the result dtype of the traced program.
+    Array arguments are traced, anything else is static.
+    """
+    rules = _Rules(
+        compute_dtype=_F32,
+        half=frozenset({"dot_general"}),
+        float32=frozenset(),
+        promote=frozenset(),
+        matmul_dtype=np.dtype(matmul_dtype),
+    )
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        return _trace_and_eval(lambda a, k: fn(*a, **k), (args, kwargs), rules)
+
+    return wrapped
+
+
 def autocast(
     fn: Callable,
     policy: Policy | str,
@@ -320,6 +371,7 @@ def autocast(
         half=_primitive_names(half_primitives, "half_primitives"),
         float32=_primitive_names(float32_primitives, "float32_primitives"),
         promote=_primitive_names(promote_primitives, "promote_primitives"),
+        matmul_dtype=policy.matmul_dtype,
     )
 
     @functools.wraps(fn)

@@ -32,11 +32,23 @@ _KEYS = {
     "compute": "compute_dtype",
     "o": "output_dtype",
     "output": "output_dtype",
+    "m": "matmul_dtype",
+    "matmul": "matmul_dtype",
 }
 _PRESETS = {
     "mixed_bfloat16": "p=f32,c=bf16,o=f32",
     "mixed_float16": "p=f32,c=f16,o=f32",
+    "mixed_float8": "p=f32,c=bf16,o=f32,m=f8",
 }
+# The matmul dtype (`m=`): half operands with float32 accumulation, or FP8
+# (e4m3 forward, e5m2 output gradients). Names only the `m` key accepts.
+_MATMUL_NAMES = {
+    np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
+    np.dtype(np.float16): ("f16", "float16"),
+    np.dtype(jnp.float8_e4m3fn): ("f8", "float8", "float8_e4m3fn"),
+}
+_NAME_TO_MATMUL = {n: d for d, names in _MATMUL_NAMES.items() for n in names}
+_ACCEPTED_MATMUL = ", ".join([*_NAME_TO_MATMUL, "half"])
 _ACCEPTED_DTYPES = ", ".join([*_NAME_TO_DTYPE, "half"])
 _ACCEPTED_KEYS = ", ".join(_KEYS)
 
@@ -73,6 +85,26 @@ def _to_float_dtype(value: Any, field: str) -> np.dtype:
     return dtype
 
 
+def _to_matmul_dtype(value: Any) -> np.dtype | None:
+    """Normalises a matmul dtype-like (or a spec name such as 'f8'); None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, str) and (value in _NAME_TO_MATMUL or value == "half"):
+        return _parse_matmul_dtype(value)
+    dtype = None
+    if not isinstance(value, (jax.Array, np.ndarray)):
+        try:
+            dtype = np.dtype(value)
+        except Exception:  # numpy raises TypeError, ValueError, even SyntaxError.
+            pass
+    if dtype not in _MATMUL_NAMES:
+        raise TypeError(
+            "Policy.matmul_dtype must be None, bfloat16, float16 or float8_e4m3fn (a "
+            f"dtype or one of the names {_ACCEPTED_MATMUL}), got {value!r}."
+        )
+    return dtype
+
+
 def _is_float_array(x: Any) -> bool:
     # Tracers are `jax.Array`s; PRNG keys, ints and bools are not floating.
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
@@ -100,9 +132,18 @@ class Policy:
       param_dtype: dtype parameters are stored and updated in.
       compute_dtype: dtype of activations and of the matmul inputs.
       output_dtype: dtype of the function's result.
+      matmul_dtype: dtype of the operands of matrix products, or None (the
+        default, as in jmp): layers multiply in the compute dtype.
+        bfloat16/float16: half operands with float32 accumulation and
+        float32 results, forward and backward (`half_dot_general`).
+        float8_e4m3fn: FP8 products with per-tensor current scaling, e4m3
+        operands forward and an e5m2 output gradient backward, float32
+        accumulation (`fp8_dot_general`). Convolutions run in the compute
+        dtype under an FP8 policy.
 
     Raises:
-      TypeError: if a dtype is not a floating dtype.
+      TypeError: if a dtype is not a floating dtype, or `matmul_dtype` is not
+        None or one of the matmul dtypes above.
 
     >>> import jax.numpy as jnp
     >>> import jmp_policy as jmp
@@ -116,11 +157,13 @@ class Policy:
     param_dtype: np.dtype
     compute_dtype: np.dtype
     output_dtype: np.dtype
+    matmul_dtype: np.dtype | None = None
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             dtype = _to_float_dtype(getattr(self, field), field)
             object.__setattr__(self, field, dtype)
+        object.__setattr__(self, "matmul_dtype", _to_matmul_dtype(self.matmul_dtype))
 
     def cast_to_param(self, x: T) -> T:
         """Casts the floating point arrays of a pytree to the param dtype."""
@@ -151,7 +194,9 @@ class Policy:
             _DTYPE_NAMES[d][0]
             for d in (self.param_dtype, self.compute_dtype, self.output_dtype)
         )
-        return f"p={p},c={c},o={o}"
+        if self.matmul_dtype is None:
+            return f"p={p},c={c},o={o}"  # jmp's form, for every jmp policy.
+        return f"p={p},c={c},o={o},m={_MATMUL_NAMES[self.matmul_dtype][0]}"
 
 
 def _parse_dtype(value: str) -> np.dtype:
@@ -165,13 +210,27 @@ def _parse_dtype(value: str) -> np.dtype:
         ) from None
 
 
+def _parse_matmul_dtype(value: str) -> np.dtype:
+    if value == "half":
+        return half_dtype()
+    try:
+        return _NAME_TO_MATMUL[value]
+    except KeyError:
+        raise ValueError(
+            f"Unknown matmul dtype {value!r}: accepted names for m=/matmul= are "
+            f"{_ACCEPTED_MATMUL}."
+        ) from None
+
+
 def get_policy(spec: str | Policy) -> Policy:
     """Parses a policy from a spec string (jmp's grammar, plus presets).
 
     A spec is a dtype name (all three dtypes), a preset (`mixed_bfloat16`,
     `mixed_float16`) or comma-separated `key=dtype` parts with keys
-    `p`/`params`, `c`/`compute`, `o`/`output`. Params default to float32,
-    compute follows params and output follows compute. White space around
+    `p`/`params`, `c`/`compute`, `o`/`output`, `m`/`matmul`. Params default
+    to float32, compute follows params and output follows compute; the
+    matmul dtype (`bf16`, `f16`, or `f8` = float8_e4m3fn) is None unless
+    given. Presets: `mixed_float8` is `p=f32,c=bf16,o=f32,m=f8`. White space around
     `,` and `=` is ignored. A `Policy` is returned unchanged.
 
     Args:
@@ -188,6 +247,8 @@ def get_policy(spec: str | Policy) -> Policy:
     'p=full,c=bf16,o=bf16'
     >>> jmp.get_policy("mixed_float16") == jmp.get_policy("p = f32, c = f16, o = f32")
     True
+    >>> str(jmp.get_policy("mixed_float8"))
+    'p=full,c=bf16,o=full,m=f8'
     """
     if isinstance(spec, Policy):
         return spec
@@ -222,10 +283,13 @@ def get_policy(spec: str | Policy) -> Policy:
                 f"Unknown key {key!r} in policy spec {spec!r}: accepted keys are "
                 f"{_ACCEPTED_KEYS}."
             )
-        dtypes[_KEYS[key]] = _parse_dtype(value)
+        field = _KEYS[key]
+        parse = _parse_matmul_dtype if field == "matmul_dtype" else _parse_dtype
+        dtypes[field] = parse(value)
     param = dtypes.get("param_dtype", np.dtype(np.float32))
     compute = dtypes.get("compute_dtype", param)
-    return Policy(param, compute, dtypes.get("output_dtype", compute))
+    output = dtypes.get("output_dtype", compute)
+    return Policy(param, compute, output, dtypes.get("matmul_dtype"))
 
 
 def cast_to_full(tree: T) -> T:

@@ -13,11 +13,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 
+from jmp_policy.core.autocast import matmuls_in
+from jmp_policy.core.matmul import matmul_dot_general
 from jmp_policy.core.policy import Policy, get_policy
 from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet
 
@@ -48,6 +51,45 @@ def _attribute_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
     return {k: v for k, v in overrides.items() if hasattr(module, k)}
 
 
+def _attention_fn_with(attention_fn: Callable, policy: Policy) -> Callable:
+    """`attention_fn` with its two einsums taking the policy's matmul dtype."""
+    dot_general = matmul_dot_general(policy.matmul_dtype)
+    try:
+        takes_dot_general = "einsum_dot_general" in inspect.signature(attention_fn).parameters
+    except (TypeError, ValueError):
+        takes_dot_general = False
+    if takes_dot_general:  # nn.dot_product_attention, or a partial of it.
+        return functools.partial(attention_fn, einsum_dot_general=dot_general)
+    return matmuls_in(attention_fn, policy.matmul_dtype)  # Any other function.
+
+
+def _matmul_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
+    """The attributes through which `module` takes the policy's matmul dtype.
+
+    `dot_general` for Dense and DenseGeneral (attention's projections are
+    DenseGeneral children, each under its own policy); attention's
+    `attention_fn` for its two einsums. A `*_cls` factory would win over the
+    injected function in Flax: the policy clears it. Empty without a matmul
+    dtype. Only Flax's layers: a user module's own `dot_general` field is
+    passed on to children that have their own policy (a rule may keep one
+    out of FP8), so it is left alone. `nn.Einsum` has no hook (flax 0.12.8):
+    it multiplies in the compute dtype.
+    """
+    dot_general = matmul_dot_general(policy.matmul_dtype)
+    if dot_general is None:
+        return {}
+    overrides: dict[str, Any] = {}
+    if isinstance(module, (nn.Dense, nn.DenseGeneral)):
+        overrides["dot_general"] = dot_general
+        overrides["dot_general_cls"] = None
+    if isinstance(module, nn.MultiHeadDotProductAttention):
+        overrides["attention_fn"] = _attention_fn_with(module.attention_fn, policy)
+        # Flax rejects these together with einsum_dot_general.
+        overrides["qk_attn_weights_einsum_cls"] = None
+        overrides["attn_weights_value_einsum_cls"] = None
+    return overrides
+
+
 def _rematerialised(next_fun: Callable) -> Callable:
     """`next_fun` under `jax.checkpoint`: its internals are recomputed, not saved.
 
@@ -76,6 +118,7 @@ def _make_interceptor(rules, remat_norms: bool) -> Callable:
         module = context.module
         policy = _module_policy(module, rules, _ACTIVE_POLICY.get())
         overrides = _attribute_overrides(module, policy)
+        overrides.update(_matmul_overrides(module, policy))
         saved = {name: getattr(module, name) for name in overrides}
         token = _ACTIVE_POLICY.set(policy)
         # Linen modules are frozen dataclasses: set the attributes for the
