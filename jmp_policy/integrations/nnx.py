@@ -17,13 +17,17 @@ traces again for a module under another policy (no stale trace).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, TypeVar
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmp_policy.core.autocast import matmuls_in
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
+from jmp_policy.core.matmul import matmul_dot_general
 from jmp_policy.core.policy import Policy, get_policy
 from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet
 
@@ -42,6 +46,30 @@ def _norm_policy(policy: Policy) -> Policy:
     if policy.compute_dtype.itemsize >= 4:
         return policy
     return policy.with_compute_dtype(np.float32)
+
+
+def _matmul_overrides(module: nnx.Module, policy: Policy) -> dict[str, Any]:
+    """The attributes through which `module` takes the policy's matmul dtype.
+
+    `dot_general` for Linear and LinearGeneral (attention's projections are
+    LinearGeneral submodules, each under its own policy); `einsum_op` for
+    Einsum; attention's `attention_fn` for its two einsums (NNX's
+    `dot_product_attention` has no dot_general hook: its products are
+    rewritten by `matmuls_in`). Empty without a matmul dtype.
+    """
+    dot_general = matmul_dot_general(policy.matmul_dtype)
+    if dot_general is None:
+        return {}
+    overrides: dict[str, Any] = {}
+    if isinstance(module, (nnx.Linear, nnx.LinearGeneral)):
+        overrides["dot_general"] = dot_general
+        if hasattr(module, "dot_general_cls"):
+            overrides["dot_general_cls"] = None  # Flax prefers the factory.
+    if isinstance(module, nnx.Einsum):
+        overrides["einsum_op"] = functools.partial(jnp.einsum, _dot_general=dot_general)
+    if isinstance(module, nnx.MultiHeadAttention):
+        overrides["attention_fn"] = matmuls_in(module.attention_fn, policy.matmul_dtype)
+    return overrides
 
 
 def _path_str(path: PathParts) -> str:
@@ -116,6 +144,12 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
     Modules without a `dtype` attribute (custom modules doing their own
     `jnp` maths) compute in the dtype of whatever they are given.
 
+    A policy with a `matmul_dtype` (e.g. `"mixed_float8"`) also sets the
+    products of `nnx.Linear`, `LinearGeneral`, `Einsum` and the two einsums
+    of `nnx.MultiHeadAttention` (`half_dot_general` or `fp8_dot_general`);
+    a rule can keep a module out (e.g. `{"head": "mixed_bfloat16"}`).
+    Convolutions run in the compute dtype.
+
     Args:
       module: the `nnx.Module` (a model, or a `PolicyModule`'s `.module`).
       policy: a `Policy` or a spec such as `"mixed_bfloat16"`.
@@ -157,6 +191,8 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
         for name, dtype in (("dtype", p.compute_dtype), ("param_dtype", p.param_dtype)):
             if hasattr(sub, name):
                 setattr(sub, name, dtype)
+        for name, value in _matmul_overrides(sub, p).items():
+            setattr(sub, name, value)
     for path, node in nnx.iter_graph(mixed):
         if isinstance(node, nnx.Param):
             value = node.get_value()
