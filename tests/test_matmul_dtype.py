@@ -236,7 +236,7 @@ class NnxLM(nnx.Module):
         return self.head(h)
 
 
-NNX_TOKENS = jax.random.randint(jax.random.key(1), (4, 8), 0, 32)
+NNX_TOKENS = jnp.asarray(np.random.default_rng(3).integers(0, 32, (4, 8)), jnp.int32)
 # q, k, v, 2 einsums, out, mlp, proj, head
 NNX_FORWARD_DOTS = 9
 
@@ -296,16 +296,27 @@ U_E4M3, U_E5M2 = 2.0**-4, 2.0**-3  # unit roundoff: 3 and 2 mantissa bits
 TINY_E4M3, TINY_E5M2 = 2.0**-10, 2.0**-17
 
 
-def _operands(case, seed=0):
-    lhs_shape, rhs_shape, _ = case
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    return jax.random.normal(k1, lhs_shape), jax.random.normal(k2, rhs_shape), k3
+# numpy's generator: jax.random's compile once per shape and dominate the time.
+def _normal(rng, shape):
+    return jnp.asarray(rng.standard_normal(shape), F32)
+
+
+def _integers(rng, shape, bound):
+    return jnp.asarray(rng.integers(-bound, bound + 1, shape), F32)
 
 
 def _error_bound(x, u, tiny, fp8_max):
     """Elementwise |round(x) - x| bound for per-tensor scaling: u|x| + scale * tiny."""
     scale = float(fp8_scale(x, fp8_max))
     return u * np.abs(np.asarray(x, np.float64)) + scale * tiny
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fp8_and_reference(dims, x, w, g):
+    """`(y, (dx, dw))` of fp8_dot_general and of the float32 product, for cotangent `g`."""
+    y, vjp = jax.vjp(lambda x, w: jmp.fp8_dot_general(x, w, dims), x, w)
+    ref, ref_vjp = jax.vjp(lambda x, w: lax.dot_general(x, w, dims, lax.Precision.HIGHEST), x, w)
+    return (y, vjp(g)), (ref, ref_vjp(g))
 
 
 def _dot64(a, b, dims):
@@ -339,9 +350,11 @@ def test_fp8_error_within_rounding_bounds(case):
     e4m3). Measured: about 0.04 and 0.05 (E δ² is about u²/3, not u²).
     """
     lhs_shape, rhs_shape, dims = case
-    x, w, k = _operands(case)
-    y, vjp = jax.vjp(lambda x, w: jmp.fp8_dot_general(x, w, dims), x, w)
-    ref, ref_vjp = jax.vjp(lambda x, w: lax.dot_general(x, w, dims, lax.Precision.HIGHEST), x, w)
+    rng = np.random.default_rng(0)
+    x, w = _normal(rng, lhs_shape), _normal(rng, rhs_shape)
+    out_shape = jax.eval_shape(lambda x, w: lax.dot_general(x, w, dims), x, w).shape
+    g = _normal(rng, out_shape)
+    (y, (gx, gw)), (ref, (rx, rw)) = _fp8_and_reference(dims, x, w, g)
     assert y.dtype == F32
     dx_, dw_ = _error_bound(x, U_E4M3, TINY_E4M3, E4M3_MAX), _error_bound(w, U_E4M3, TINY_E4M3, E4M3_MAX)
     err = np.abs(np.asarray(y, np.float64) - np.asarray(ref, np.float64))
@@ -349,9 +362,6 @@ def test_fp8_error_within_rounding_bounds(case):
     rel = np.linalg.norm(err) / np.linalg.norm(ref)
     assert rel <= np.sqrt(2) * U_E4M3, rel
 
-    g = jax.random.normal(k, y.shape)
-    gx, gw = vjp(g)
-    rx, rw = ref_vjp(g)
     dg = _error_bound(g, U_E5M2, TINY_E5M2, E5M2_MAX)
     for got, want, (a, da, b, db, d) in [
         (gx, rx, (g, dg, w, dw_, None)),
@@ -370,20 +380,20 @@ def test_fp8_error_within_rounding_bounds(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=["matmul", "batched", "transposed", "attention"])
-@pytest.mark.parametrize("power", [-7, 0, 9])
-def test_fp8_exact_on_fp8_numbers(case, power):
+def test_fp8_exact_on_fp8_numbers(case):
     """Integers up to 16 are e4m3 numbers (4 significant bits), up to 8 e5m2
     ones; times any power of two (the scale is one), the products are exact."""
     lhs_shape, rhs_shape, dims = case
-    k1, k2, k3 = jax.random.split(jax.random.key(power + 10), 3)
-    x = jax.random.randint(k1, lhs_shape, -16, 17).astype(F32) * 2.0**power
-    w = jax.random.randint(k2, rhs_shape, -16, 17).astype(F32)
-    y, vjp = jax.vjp(lambda x, w: jmp.fp8_dot_general(x, w, dims), x, w)
-    ref, ref_vjp = jax.vjp(lambda x, w: lax.dot_general(x, w, dims, lax.Precision.HIGHEST), x, w)
-    np.testing.assert_array_equal(y, ref)
-    g = jax.random.randint(k3, y.shape, -8, 9).astype(F32) * 2.0**-power
-    for got, want in zip(vjp(g), ref_vjp(g)):
-        np.testing.assert_array_equal(got, want)
+    rng = np.random.default_rng(1)
+    out_shape = jax.eval_shape(lambda x, w: lax.dot_general(x, w, dims), jnp.ones(lhs_shape), jnp.ones(rhs_shape)).shape
+    for power in (-7, 9):
+        x = _integers(rng, lhs_shape, 16) * 2.0**power
+        w = _integers(rng, rhs_shape, 16) * 2.0**-3
+        g = _integers(rng, out_shape, 8) * 2.0**-power
+        (y, grads), (ref, ref_grads) = _fp8_and_reference(dims, x, w, g)
+        np.testing.assert_array_equal(y, ref)
+        for got, want in zip(grads, ref_grads):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_fp8_dot_general_dtypes_and_fallbacks():
@@ -436,8 +446,8 @@ class Mlp(nn.Module):
 @pytest.mark.parametrize("bad", [np.inf, np.nan])
 def test_injected_non_finite_activation_skips_the_step(bad):
     model = Mlp()
-    x = jax.random.normal(jax.random.key(0), (8, 5))
-    y = jax.random.normal(jax.random.key(1), (8, 4))
+    rng = np.random.default_rng(2)
+    x, y = _normal(rng, (8, 5)), _normal(rng, (8, 4))
     params = jmp.with_policy(model.init, "mixed_float8")(jax.random.key(2), x)["params"]
     tx = jmp.loss_scaled(optax.sgd(0.1, momentum=0.9), jmp.DynamicLossScale(2.0**15))
     opt_state = tx.init(params)
@@ -477,11 +487,12 @@ STEPS = 300
 LOSS_TOLERANCE = 0.03
 # FP8 against mixed_bfloat16. e4m3 rounds each operand to 2^-4 relative
 # (bfloat16: 2^-8), so each matmul is about 4-5% off in norm (measured in
-# test_fp8_error_within_rounding_bounds); that is noise on the gradient of
-# the order of minibatch noise, which costs Adam a little progress, not a
-# different minimum. 0.05 nats is about 3% of the loss; the measured gap is
-# printed.
-FP8_TOLERANCE = 0.05
+# test_fp8_error_within_rounding_bounds), unbiased noise on activations and
+# gradients well below the minibatch noise of a 16 x 32 batch, which costs
+# Adam a little progress, not a different minimum: the same 0.03 nats (2% of
+# the loss) as the half policies against float32. Measured (300 steps, CPU):
+# mixed_float8 1.5280, mixed_bfloat16 1.5207, a gap of 0.0073.
+FP8_TOLERANCE = 0.03
 
 
 @pytest.fixture(scope="module")
