@@ -199,6 +199,15 @@ def with_policy(
     (softmax in the compute dtype): Flax's `force_fp32_for_softmax=True` would
     also turn the weights-times-values matmul into float32.
 
+    A policy with a `matmul_dtype` (`"p=f32,c=bf16,o=f32,m=bf16"`,
+    `"mixed_float8"`) also sets the products of Flax's `Dense`,
+    `DenseGeneral` (attention's projections) and attention's two einsums
+    (`attention_fn`): `half_dot_general` (float32 accumulation) or
+    `fp8_dot_general`, forward and backward, replacing a `dot_general`
+    wired into those layers; a rule can keep a module out (e.g.
+    `{"head": "mixed_bfloat16"}`). Convolutions and `nn.Einsum` (no hook)
+    run in the compute dtype.
+
     Rules override the policy per module class or per module path:
 
     * a class matches its subclasses; the nearest class in the module's MRO wins;
