@@ -125,9 +125,12 @@ def test_train_mlp_demo_prints_a_row_per_policy(capsys):
 def transformer_benchmark():
     """`benchmarks/transformer.py --no-time`: its module and its table rows by variant."""
     bench = _load("benchmarks/transformer.py", "transformer_benchmark")
+    # The script is a thin entry point: its names live where `main` is defined.
+    bench = sys.modules[bench.main.__module__]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         status = bench.main(["--no-time"])
+    bench.printed = out.getvalue()
     names = [v for v in (bench.REFERENCE, *bench.HALF_VARIANTS)]
     rows = {}
     for line in out.getvalue().splitlines():
@@ -167,6 +170,17 @@ def test_every_train_step_matmul_is_half_and_the_accumulating_paths_give_float32
     assert rows["float32"][:3] == (51, "0%", "100%")
     assert rows["flax dtype=bf16"][:3] == rows["with_policy"][:3] == (51, "100%", "0%")
     assert rows["autocast"][:3] == rows["with_policy+f32acc"][:3] == (51, "100%", "100%")
+    # The policy's matmul dtype alone gives what the hand-wired model does.
+    assert rows["m=bf16"][:3] == (51, "100%", "100%")
+
+
+def test_benchmark_mixed_float8_every_matmul_fp8(transformer_benchmark):
+    bench, status, _ = transformer_benchmark
+    line = next(x for x in bench.printed.splitlines() if x.startswith("mixed_float8: "))
+    assert line == (
+        "mixed_float8: 17 forward e4m3 x e4m3 dots, 34 backward dots with an e5m2 "
+        "output gradient, 0 others: all FP8"
+    )
 
 
 def test_nnx_example_prints_a_row_per_policy(capsys):
