@@ -70,7 +70,7 @@ from jmp_policy.core.diagnostics import saved_residuals
 import jmp_policy
 
 TARGET_RATIO = 0.55
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "transformer_lm.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "transformer_lm.py"
 
 
 def load_example():
