@@ -27,7 +27,10 @@ are finite). Checked:
   killed in a `finally`, and a failure shows both processes' output (the
   last test makes one process fail and checks exactly that).
 
-Two launches of two processes, about 25 s on 2 CPU cores: marked slow (the
+`examples/multihost.py --demo` runs too (two processes, an overflow in one
+process's rows at step 5, the same replicated parameters at the end).
+
+Three launches of two processes, about 70 s on 2 CPU cores: marked slow (the
 normal suite runs it).
 """
 
@@ -356,3 +359,25 @@ def test_a_run_past_its_timeout_is_killed(tmp_path):
                           "--ckpt", str(tmp_path / "ckpt")], tmp_path, timeout=1)
     assert len(failure.value.pids) == 2
     assert not [pid for pid in failure.value.pids if _alive(pid)]
+
+
+def test_multihost_example_demo_runs_two_processes_that_agree():
+    # `examples/multihost.py --demo`: two processes of 4 CPU devices; process 1's
+    # rows overflow float16 at step 5.
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "multihost.py"), "--demo", "--steps", "7"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT + 60,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    per_process = []
+    for process in (0, 1):
+        steps = [l for l in lines if l.startswith(f"process {process} step ")]
+        assert len(steps) == 7, run.stdout
+        assert "loss nan loss scale 16384 skipped steps so far 1" in steps[5], steps
+        assert steps[6].endswith("loss scale 16384 skipped steps so far 1"), steps
+        per_process.append([l.split(" ", 2)[2] for l in steps])
+    assert per_process[0] == per_process[1]  # same losses, scales and skips
+    sums = [l.rsplit(" ", 1)[1] for l in lines if "checksum of its parameter shards" in l]
+    assert len(sums) == 2 and sums[0] == sums[1], run.stdout  # replicated: the same bits
