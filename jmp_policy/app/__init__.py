@@ -1,0 +1,1 @@
+"""The application: the jmp-policy command, demo, doctor and benchmarks."""

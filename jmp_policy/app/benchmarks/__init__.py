@@ -1,0 +1,1 @@
+"""Benchmarks, shipped in the package so that `jmp-policy bench` runs from a wheel."""
