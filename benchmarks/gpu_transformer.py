@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this source tree first
 
-from jmp_policy.app.benchmarks.gpu_transformer import main  # noqa: E402
+from jmp_policy.app.benchmarks.gpu_transformer import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -93,7 +93,8 @@ def train(steps: int, fsdp: bool, overflow_at: int | None, overflow_process: int
     tx = jmp_policy.loss_scaled(optax.adam(1e-3), jmp_policy.DynamicLossScale(2.0**15))
 
     x0 = jnp.zeros((1, FEATURES), jnp.float32)
-    param_sh = jax.tree.map(lambda a: sharding(a.shape), jax.eval_shape(init, jax.random.key(0), x0))
+    abstract = jax.eval_shape(init, jax.random.key(0), x0)
+    param_sh = jax.tree.map(lambda a: sharding(a.shape), abstract)
     params = jax.jit(lambda k: init(k, x0), out_shardings=param_sh)(jax.random.key(0))
     state_sh = jax.tree.map(lambda a: sharding(a.shape), jax.eval_shape(tx.init, params))
     opt_state = jax.jit(tx.init, out_shardings=state_sh)(params)
@@ -159,7 +160,7 @@ def demo(argv_rest: Sequence[str]) -> int:
                    f"localhost:{port}", "--num-processes", str(DEMO_PROCESSES),
                    "--process-id", str(i), *argv_rest]
             # Process 0 prints to this terminal; the others into files, shown at the end.
-            log = None if i == 0 else tempfile.TemporaryFile()
+            log = None if i == 0 else tempfile.TemporaryFile()  # noqa: SIM115 (closed below)
             logs.append(log)
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log,
                                           start_new_session=True))
@@ -171,7 +172,10 @@ def demo(argv_rest: Sequence[str]) -> int:
     finally:
         for p in procs:  # no process outlives the demo
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:  # it ended in between
+                    pass
             p.wait()
         for log in logs[1:]:
             log.seek(0)

@@ -5,7 +5,7 @@ Run as a script it is one JAX process of a multi-controller job: it joins
 global mesh, trains, and writes what it saw to `--out`::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/_multiprocess_worker.py \
-        --process-id 0 --port 12345 --configs fsdp,replicated --phase train --out DIR --ckpt DIR/ckpt
+        --process-id 0 --port 12345 --phase train --out DIR --ckpt DIR/ckpt
 
 `--phase train` trains steps 0..STEPS from fresh parameters and saves an
 orbax checkpoint after SAVE_AT steps (every process writes its own shards),
@@ -97,7 +97,7 @@ def shardings(mesh: Mesh, abstract, config: str):
     return jax.tree.map(lambda a: NamedSharding(mesh, spec_for(a.shape, config)), abstract)
 
 
-def make_step(mesh: Mesh, config: str, tx, param_sh, state_sh):
+def make_step(mesh: Mesh, tx, param_sh, state_sh):
     batch_sh = NamedSharding(mesh, P("data"))
     replicated = NamedSharding(mesh, P())
 
@@ -169,7 +169,7 @@ def train(mesh: Mesh, config: str, phase: str = "train", ckpt: str | None = None
     params, opt_state, param_sh, state_sh = init_state(mesh, config, tx)
     rows = local_rows(mesh)
     batch_sh = NamedSharding(mesh, P("data"))
-    step_fn = make_step(mesh, config, tx, param_sh, state_sh)
+    step_fn = make_step(mesh, tx, param_sh, state_sh)
     start = 0
     if phase == "resume":
         import orbax.checkpoint as ocp
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--process-id", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: fsdp,replicated")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated {CONFIGS}")
     parser.add_argument("--phase", choices=("train", "resume"), required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--ckpt", type=Path, required=True, help="one checkpoint per config in it")

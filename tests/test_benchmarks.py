@@ -47,7 +47,7 @@ def tiny_run(tmp_path_factory):
     # A budget far above the run's need, so that a busy machine skips no variant.
     env = _env(out, JMP_POLICY_BENCH_SIZE="tiny", JMP_POLICY_BENCH_BUDGET_S="900")
     run = subprocess.run(["bash", str(SCRIPT)], cwd=out, env=env, capture_output=True,
-                         text=True, timeout=900)
+                         text=True, timeout=900, check=False)
     return out, run
 
 
@@ -100,7 +100,7 @@ def test_gpu_sh_tiny_mode_runs_and_writes_its_figures(tiny_run):
 def test_bad_size_in_the_environment_is_a_usage_error(tmp_path):
     env = _env(tmp_path, JMP_POLICY_BENCH_SIZE="huge")
     run = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, check=False)
     assert run.returncode == 2
     assert "JMP_POLICY_BENCH_SIZE: 'huge' is not one of auto, gpu, tiny" in run.stderr
     assert not (tmp_path / bench.JSON_NAME).exists()

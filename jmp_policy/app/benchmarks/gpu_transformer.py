@@ -176,7 +176,13 @@ def peak_bf16_tflops(device_kind: str) -> float | None:
 
 
 def matmul_params(cfg: Config) -> int:
-    """Parameters that take part in a matmul: per block 4 w^2 (attention) + 8 w^2 (MLP), and the head.
+    """Parameters that take part in a matmul: per block 4 w^2 (attention) + 8 w^2 (MLP); the head.
+
+    Args:
+      cfg: the size.
+
+    Returns:
+      layers x 12 x width^2 + width x vocab.
 
     >>> matmul_params(CONFIGS["gpu"])
     469762048
@@ -186,6 +192,12 @@ def matmul_params(cfg: Config) -> int:
 
 def step_flops(cfg: Config) -> float:
     """FLOPs of one train step: tokens x (6 N + 12 x layers x seq x width).
+
+    Args:
+      cfg: the size.
+
+    Returns:
+      The FLOPs, N being `matmul_params(cfg)`.
 
     >>> round(step_flops(CONFIGS["gpu"]) / 1e12, 1)
     24.7
@@ -198,7 +210,7 @@ def step_flops(cfg: Config) -> float:
 
 
 class Block(nn.Module):
-    """A pre-LN block (causal attention, GELU MLP), `nn.scan`-compatible: `(x, mask) -> (x, None)`."""
+    """A pre-LN block (causal attention, GELU MLP); `(x, mask) -> (x, None)` for `nn.scan`."""
 
     heads: int
     dtype: Any = None
@@ -297,13 +309,13 @@ VARIANTS = (
 )
 
 
-def loss_fn(apply: Callable, params, tokens) -> jax.Array:
+def _loss_fn(apply: Callable, params, tokens) -> jax.Array:
     """Next-token cross-entropy, computed in float32 whatever the logits' dtype."""
     logits = apply(params, tokens[:, :-1]).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def build(variant: Variant, cfg: Config):
+def _build(variant: Variant, cfg: Config):
     """`(model, apply, tx, step)` of a variant; `step(params, opt_state, tokens)`."""
     if variant.needs_matmul_dtype and not HAS_MATMUL_DTYPE:
         raise LookupError("Policy has no matmul_dtype field in this version")
@@ -322,12 +334,12 @@ def build(variant: Variant, cfg: Config):
             loss_scale = jmp_policy.get_loss_scale(opt_state)
 
             def scaled(p):
-                loss = loss_fn(apply, p, tokens)
+                loss = _loss_fn(apply, p, tokens)
                 return loss_scale.scale(loss), loss
 
             grads, loss = jax.grad(scaled, has_aux=True)(params)
         else:
-            loss, grads = jax.value_and_grad(functools.partial(loss_fn, apply))(params, tokens)
+            loss, grads = jax.value_and_grad(functools.partial(_loss_fn, apply))(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -337,7 +349,7 @@ def build(variant: Variant, cfg: Config):
 # ----------------------------------------------------------------------- running
 
 
-class Log:
+class _Log:
     """Prints and keeps every line for the log file."""
 
     def __init__(self):
@@ -353,7 +365,7 @@ def _median_ratio(num: Sequence[float], den: Sequence[float]) -> float | None:
     return statistics.median(pairs) if pairs else None
 
 
-def run(cfg: Config, size: str, budget_s: float, log: Log) -> dict:
+def _run(cfg: Config, size: str, budget_s: float, log: _Log) -> dict:
     """Compiles and times the variants within `budget_s` seconds; returns the figures."""
     start = time.monotonic()
     device = jax.devices()[0]
@@ -372,7 +384,7 @@ def run(cfg: Config, size: str, budget_s: float, log: Log) -> dict:
     params = TransformerLM(cfg).init(jax.random.key(0), tokens[:, :-1])
     results: dict[str, dict] = {}
     compiled: dict[str, tuple[Callable, Any]] = {}
-    opt_states: dict[bool, Any] = {}
+    opt_states: dict[Any, Any] = {}
     compile_deadline = start + 0.6 * budget_s  # the rest is for timing
     for variant in VARIANTS:
         entry: dict[str, Any] = {"status": "skipped"}
@@ -382,15 +394,17 @@ def run(cfg: Config, size: str, budget_s: float, log: Log) -> dict:
             log(f"{variant.name}: skipped, {entry['reason']}")
             continue
         try:
-            _, _, tx, step = build(variant, cfg)
-        except (LookupError, ValueError) as e:
+            _, _, tx, step = _build(variant, cfg)
+        except (LookupError, ValueError, TypeError) as e:
             entry["reason"] = f"not available: {e}"
             log(f"{variant.name}: skipped, {entry['reason']}")
             continue
         try:
-            if variant.loss_scaled not in opt_states:
-                opt_states[variant.loss_scaled] = jax.jit(tx.init)(params)
-            opt_state = opt_states[variant.loss_scaled]
+            # Variants with the same optimizer share one state (only the structure matters).
+            kind = jax.tree.structure(jax.eval_shape(tx.init, params))
+            if kind not in opt_states:
+                opt_states[kind] = jax.jit(tx.init)(params)
+            opt_state = opt_states[kind]
             t0 = time.perf_counter()
             precision = (jax.default_matmul_precision(variant.precision) if variant.precision
                          else contextlib.nullcontext())
@@ -403,7 +417,7 @@ def run(cfg: Config, size: str, budget_s: float, log: Log) -> dict:
             entry["loss"] = float(loss)
             if not np.isfinite(entry["loss"]):
                 raise FloatingPointError(f"non-finite loss {entry['loss']}")
-        except Exception as e:  # a variant the backend cannot run must not stop the others
+        except Exception as e:  # noqa: BLE001 (a variant that fails must not stop the others)
             entry.update(status="failed", reason=f"{type(e).__name__}: {e}"[:500])
             log(f"{variant.name}: FAILED, {entry['reason']}")
             traceback.print_exc()
@@ -452,14 +466,14 @@ def run(cfg: Config, size: str, budget_s: float, log: Log) -> dict:
     log()
     log(header)
     log("-" * len(header))
-    fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
     for variant in VARIANTS:
         e = results[variant.name]
         if e["status"] != "ok":
             log(f"{variant.name:<32} {e['status']}: {e.get('reason', '')}")
             continue
         log(f"{variant.name:<32} {e['step_ms_median']:>9.2f} {e['tokens_per_s']:>11,.0f} "
-            f"{fmt(e['speedup_vs_float32'], '.3f'):>10} {fmt(e['speedup_vs_flax_bf16'], '.3f'):>12} "
+            f"{fmt(e['speedup_vs_float32'], '.3f'):>10} "
+            f"{fmt(e['speedup_vs_flax_bf16'], '.3f'):>12} "
             f"{fmt(e['mfu'] and 100 * e['mfu'], '.1f') + ('%' if e['mfu'] else ''):>7} "
             f"{e['compile_s']:>10.1f}")
 
@@ -468,7 +482,8 @@ def run(cfg: Config, size: str, budget_s: float, log: Log) -> dict:
         "with_policy_speedup_vs_float32": _target(
             results, WITH_POLICY, "speedup_vs_float32", lambda v: v >= 1.6, ">= 1.6"),
         "with_policy_speed_vs_flax_bf16": _target(
-            results, WITH_POLICY, "speedup_vs_flax_bf16", lambda v: v >= 0.97, ">= 0.97 (within 3%)"),
+            results, WITH_POLICY, "speedup_vs_flax_bf16", lambda v: v >= 0.97,
+            ">= 0.97 (within 3%)"),
         "loss_scaled_step_time_vs_plain_adam": {
             "value": _median_ratio(times.get(LOSS_SCALED, []), times.get(WITH_POLICY, []))
             if LOSS_SCALED in times and WITH_POLICY in times else None,
@@ -479,8 +494,12 @@ def run(cfg: Config, size: str, budget_s: float, log: Log) -> dict:
     ls["met"] = None if ls["value"] is None else bool(ls["value"] <= 1.02)
     log()
     for key, t in targets.items():
-        verdict = ("met" if t["met"] else "NOT met") if on_gpu and t["met"] is not None else (
-            "not judged (" + ("no value" if t["met"] is None else "not the GPU size on a GPU") + ")")
+        if t["met"] is None:
+            verdict = "not judged (no value)"
+        elif on_gpu:
+            verdict = "met" if t["met"] else "NOT met"
+        else:
+            verdict = "not judged (not the GPU size on a GPU)"
         log(f"target {key}: {fmt(t['value'], '.3f')} (target {t['target']}): {verdict}")
         t["judged"] = on_gpu and t["met"] is not None
     return {
@@ -501,6 +520,15 @@ def run(cfg: Config, size: str, budget_s: float, log: Log) -> dict:
         "variants": results,
         "targets": targets,
     }
+
+
+def fmt(value: float | None, spec: str) -> str:
+    """`format(value, spec)`, or "n/a" for None.
+
+    >>> fmt(1.23456, ".2f"), fmt(None, ".2f")
+    ('1.23', 'n/a')
+    """
+    return "n/a" if value is None else format(value, spec)
 
 
 def _target(results, name, key, test, text) -> dict:
@@ -561,9 +589,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or Path(os.environ.get("OUT") or "results")
     out.mkdir(parents=True, exist_ok=True)
 
-    log = Log()
+    log = _Log()
     with jax.numpy_dtype_promotion("standard"):  # optax's adam: float ** int32
-        figures = run(cfg, size, budget, log)
+        figures = _run(cfg, size, budget, log)
     (out / LOG_NAME).write_text("\n".join(log.lines) + "\n")
     (out / JSON_NAME).write_text(json.dumps(figures, indent=1) + "\n")
     print(f"wrote {out / LOG_NAME} and {out / JSON_NAME}", flush=True)
