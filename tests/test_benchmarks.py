@@ -8,10 +8,16 @@ exists), all from the same parameters (the same first loss within bfloat16
 rounding), with tokens per second, ratios and MFU (n/a on a CPU); the
 targets are reported and not judged on a CPU. About 60 s on 2 CPU cores
 (compiling 6 train steps): marked slow.
+
+The GPU size itself is traced and lowered (not compiled, not run): every
+variant builds at that size, and its matmuls take the operand dtypes and
+precision it claims (bfloat16 for the half variants, HIGHEST only for
+`float32 HIGHEST`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -130,3 +136,40 @@ def test_matmul_parameter_count_is_the_models():
         if jax.tree_util.keystr(path).endswith("['kernel']")
     ]
     assert sum(kernels) == bench.matmul_params(cfg)
+
+
+def test_gpu_size_step_lowers_with_the_matmul_dtypes_each_variant_claims():
+    # The GPU size cannot run here, but its whole train step can be traced and
+    # lowered (no compile, abstract inputs): every variant builds, and its
+    # dot_generals take the operands it says (bf16 for the half variants).
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    cfg = bench.CONFIGS["gpu"]
+    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)
+    params = jax.eval_shape(bench.TransformerLM(cfg).init, jax.random.key(0), tokens)
+    dot = re.compile(r"stablehlo.dot_general(.*?): \((tensor<[^>]*>), (tensor<[^>]*>)\) -> ")
+    float32_variants = {bench.REFERENCE, "float32 HIGHEST"}
+    with jax.numpy_dtype_promotion("standard"):
+        for v in bench.VARIANTS:
+            if v.needs_matmul_dtype and not bench.HAS_MATMUL_DTYPE:
+                continue
+            _, _, tx, step = bench._build(v, cfg)
+            state = jax.eval_shape(tx.init, params)
+            precision = (jax.default_matmul_precision(v.precision) if v.precision
+                         else contextlib.nullcontext())
+            with precision:
+                text = jax.jit(step).lower(params, state, tokens).as_text()
+            dots = dot.findall(text)
+            # Forward: 8 in the scanned block (q, k, v, scores, weighted values,
+            # out, 2 MLP; one scan body in the program) and the head; backward 2 each.
+            assert len(dots) == 27, (v.name, len(dots))
+            operands = {t.rsplit("x", 1)[1] for d in dots for t in d[1:]}
+            if v.name in float32_variants:
+                assert operands == {"f32>"}, (v.name, operands)
+            elif not v.needs_matmul_dtype:
+                assert operands == {"bf16>"}, (v.name, operands)
+            highest = ["HIGHEST" in d[0] for d in dots]
+            assert all(highest) if v.precision == "highest" else not any(highest), v.name

@@ -381,7 +381,7 @@ def _run(cfg: Config, size: str, budget_s: float, log: _Log) -> dict:
         f"budget {budget_s:g} s")
 
     tokens = jax.random.randint(jax.random.key(1), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
-    params = TransformerLM(cfg).init(jax.random.key(0), tokens[:, :-1])
+    params = jax.jit(TransformerLM(cfg).init)(jax.random.key(0), tokens[:, :-1])
     results: dict[str, dict] = {}
     compiled: dict[str, tuple[Callable, Any]] = {}
     opt_states: dict[Any, Any] = {}
