@@ -141,7 +141,7 @@ CONFIGS = {
     "gpu": Config(vocab=32768, width=2048, layers=8, heads=16, seq=1024, batch=8,
                   steps_per_round=3, min_rounds=3, max_rounds=30, budget_s=400.0),
     "tiny": Config(vocab=256, width=64, layers=2, heads=4, seq=64, batch=4,
-                   steps_per_round=2, min_rounds=2, max_rounds=4, budget_s=60.0),
+                   steps_per_round=2, min_rounds=2, max_rounds=4, budget_s=240.0),
 }
 
 # Dense bfloat16 Tensor Core peaks (no sparsity), TFLOP/s, by a substring of
