@@ -79,9 +79,17 @@ def _module_policies(module: nnx.Module, rules, policy: Policy) -> dict[PathPart
     unmatched = [k for k, _ in rules if isinstance(k, str) and k not in matched_patterns]
     if unmatched:
         paths = [_path_str(p) for p in sorted(modules, key=len) if p][:12]
+        where = (
+            f"fnmatch patterns over '/'-joined submodule paths such as {paths}"
+            if paths
+            # A leaf module (nnx.Linear) has no submodule a pattern could name.
+            else f"fnmatch patterns over '/'-joined submodule paths, and this "
+            f"{type(module).__name__} has no submodules: give a class rule "
+            f"(e.g. {{{type(module).__name__}: policy}}) or change the policy itself"
+        )
         raise ValueError(
             f"rules path pattern {unmatched[0]!r} matches no submodule; patterns are "
-            f"fnmatch patterns over '/'-joined paths such as {paths}."
+            f"{where}."
         )
     return resolved
 

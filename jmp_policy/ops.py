@@ -44,6 +44,7 @@ JAX's "Writing custom Jaxpr interpreters" tutorial.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -191,7 +192,43 @@ def _accumulating_product(product, lhs, rhs, compute_dtype, out_dtype):
         return _cast(lhs_bar, lhs_dtype), _cast(rhs_bar, rhs_dtype)
 
     f.defvjp(fwd, bwd)
-    return f(lhs, rhs)
+    try:
+        return f(lhs, rhs)
+    except TypeError as e:
+        # JAX's own message names neither this library nor a way out.
+        if "forward-mode" not in str(e) or "custom_vjp" not in str(e):
+            raise
+        raise TypeError(_JVP_UNSUPPORTED) from e
+
+
+_JVP_UNSUPPORTED = (
+    "Forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian) through "
+    "jmp_policy's float32-accumulating half matmuls (half_dot_general, "
+    "half_conv_general_dilated, and autocast, which uses them) is not supported: "
+    "their jax.custom_vjp defines reverse mode only. Use reverse mode (jax.grad, "
+    "jax.vjp, jax.jacrev), or for forward mode use plain lax.dot_general / "
+    "lax.conv_general_dilated with preferred_element_type=jnp.float32 (or autocast "
+    "with half_primitives=())."
+)
+
+
+def _check_shapes(op: Callable, lhs: Any, rhs: Any, name: str) -> None:
+    """Runs `op`'s own shape checks on the operands' shapes, before the custom VJP.
+
+    Inside the custom VJP a mismatch surfaces as a reshape error of the
+    backward products; `lax` names the dimensions that do not fit.
+    """
+    try:
+        jax.eval_shape(
+            op,
+            jax.ShapeDtypeStruct(np.shape(lhs), lhs.dtype),
+            jax.ShapeDtypeStruct(np.shape(rhs), rhs.dtype),
+        )
+    except TypeError as e:
+        raise TypeError(
+            f"{name}: lhs of shape {tuple(np.shape(lhs))} and rhs of shape "
+            f"{tuple(np.shape(rhs))} do not fit: {e}"
+        ) from None
 
 
 _HALF_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
@@ -255,7 +292,10 @@ def half_dot_general(
       The product, in the dtype `lax.dot_general` would give.
 
     Raises:
-      TypeError: if `compute_dtype` is not a half dtype or None.
+      TypeError: if `compute_dtype` is not a half dtype or None; if the
+        operands' shapes do not fit `dimension_numbers` (naming the dimensions,
+        as `lax.dot_general` does); under forward-mode differentiation
+        (`jax.jvp`, `jax.jacfwd`), which the custom VJP does not support.
 
     >>> import jax, jax.numpy as jnp
     >>> from jmp_policy.ops import half_dot_general
@@ -271,6 +311,10 @@ def half_dot_general(
         return lax.dot_general(lhs, rhs, dims, precision, preferred_element_type,
                                out_sharding=out_sharding)  # fmt: skip
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    _check_shapes(
+        lambda a, b: lax.dot_general(a, b, dims, precision, preferred_element_type),
+        lhs, rhs, "half_dot_general",
+    )  # fmt: skip
     out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
     compute = _half_compute_dtype(compute_dtype, lhs, rhs)
 
@@ -323,6 +367,10 @@ def half_conv_general_dilated(
     if not (_is_float(lhs) and _is_float(rhs)):
         return product(lhs, rhs, preferred_element_type)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    _check_shapes(
+        lambda a, b: product(a, b, preferred_element_type), lhs, rhs,
+        "half_conv_general_dilated",
+    )  # fmt: skip
     out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
     compute = _half_compute_dtype(compute_dtype, lhs, rhs)
     return _accumulating_product(product, lhs, rhs, compute, out_dtype)
@@ -538,10 +586,24 @@ def _trace_and_eval(fn, args, rules):
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
+def _known_primitive_names() -> frozenset[str]:
+    names = {getattr(p, "name", None) for p in vars(_prims).values()}
+    names = {n for n in names if isinstance(n, str)}
+    return frozenset(names | HALF_PRIMITIVES | FLOAT32_PRIMITIVES | PROMOTE_PRIMITIVES)
+
+
 def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
     if isinstance(ops, str):
         ops = [ops]
+    try:
+        ops = list(ops)
+    except TypeError:
+        raise TypeError(
+            f"autocast({arg}=...) takes an iterable of primitive names or primitives, "
+            f"got {ops!r}."
+        ) from None
     names = set()
+    known = None
     for op in ops:
         name = op if isinstance(op, str) else getattr(op, "name", None)
         if not isinstance(name, str):
@@ -549,6 +611,17 @@ def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
                 f"autocast({arg}=...) takes primitive names or primitives "
                 f"(e.g. 'exp' or jax.extend.core.primitives.exp_p), got {op!r}."
             )
+        if isinstance(op, str):
+            # A misspelt name would match no operation and change nothing.
+            known = _known_primitive_names() if known is None else known
+            if name not in known:
+                close = difflib.get_close_matches(name, sorted(known), 3)
+                hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+                raise ValueError(
+                    f"autocast({arg}=...): unknown primitive name {name!r}{hint}. Accepted "
+                    "are the names of jax.extend.core.primitives (e.g. 'exp', 'tanh', "
+                    "'dot_general'); pass a primitive object for one defined elsewhere."
+                )
         names.add(name)
     return frozenset(names)
 
@@ -595,6 +668,8 @@ def autocast(
     Raises:
       TypeError: if `fn` is not callable, or a primitive list holds something
         other than names or primitives.
+      ValueError: if a primitive list holds a name that is no JAX primitive's
+        (the message lists close matches).
 
     >>> import jax, jax.numpy as jnp
     >>> import jmp_policy as jmp
