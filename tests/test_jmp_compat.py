@@ -64,3 +64,210 @@ def _standard_promotion():
     # promotion; the rest of our suite runs under strict promotion.
     with jax.numpy_dtype_promotion("standard"):
         yield
+
+
+# --------------------------------------------------------------------------
+# Side by side with the installed jmp 0.0.4: where jmp_policy is jmp, the same
+# types, dtypes, weak types and values on the same inputs.
+
+import jax.numpy as jnp  # noqa: E402
+import jmp as real_jmp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jmp_policy  # noqa: E402
+
+SPECS = ["p=f32,c=bf16,o=f16", "mixed_float16", "f32", "half", "c=half", "bf16"]
+METHODS = ["cast_to_param", "cast_to_compute", "cast_to_output"]
+
+
+def _jmp_spec(spec: str) -> str:
+    return {"mixed_float16": "p=f32,c=f16,o=f32"}.get(spec, spec)
+
+
+def _leaves():
+    """One of each kind of leaf a user passes (issue: weak types, numpy scalars)."""
+    return {
+        "weak_f32": jnp.asarray(0.1),  # weakly typed float32
+        "weak_f32_vec": jnp.full((2,), 0.25, dtype=None) * 1.0,
+        "f32": jnp.asarray([0.1, -2.5], jnp.float32),
+        "bf16": jnp.asarray([0.1, 3.0], jnp.bfloat16),
+        "f16": jnp.asarray([0.1, 3.0], jnp.float16),
+        "np_f32_scalar": np.float32(3.1),
+        "np_f64_scalar": np.float64(0.3),
+        "np_f32": np.asarray([0.1, 7.0], np.float32),
+        "np_f64": np.asarray([0.1, 7.0], np.float64),
+        "np_f32_0d": np.asarray(0.1, np.float32),
+        "py_float": 1.5,
+        "py_int": 3,
+        "i32": jnp.arange(3, dtype=jnp.int32),
+        "weak_i32": jnp.asarray(2),
+        "bool": jnp.asarray([True]),
+    }
+
+
+def _describe(x):
+    """What must agree: the Python type, the dtype, the weak type and the values."""
+    if isinstance(x, jax.Array):
+        return ("jax.Array", np.dtype(x.dtype), jax.typeof(x).weak_type, np.asarray(x).tolist())
+    if isinstance(x, (np.ndarray, np.generic)):
+        return (type(x).__name__, np.dtype(x.dtype), False, np.asarray(x).tolist())
+    return (type(x).__name__, None, None, x)
+
+
+def _assert_same(ours, theirs):
+    ours_l, ours_t = jax.tree.flatten(ours)
+    theirs_l, theirs_t = jax.tree.flatten(theirs)
+    assert ours_t == theirs_t
+    for key, a, b in zip(sorted(_leaves()), ours_l, theirs_l):
+        assert _describe(a) == _describe(b), key
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("spec", SPECS)
+def test_casts_match_jmp(spec, method, jit):
+    """Points 2-3: every Policy cast gives jmp's types, dtypes, weak types and values.
+
+    Weakly typed float32 arrays come back strongly typed (jmp's `astype`),
+    numpy scalars and Python numbers are left alone, numpy arrays stay numpy.
+    Under jit only array arguments are traced; the others are closed over.
+    """
+    ours = getattr(jmp_policy.get_policy(spec), method)
+    theirs = getattr(real_jmp.get_policy(_jmp_spec(spec)), method)
+    leaves = _leaves()
+    if jit:
+        arrays = {k: v for k, v in leaves.items() if isinstance(v, jax.Array)}
+        rest = {k: v for k, v in leaves.items() if k not in arrays}
+
+        def run(fn):
+            return jax.jit(lambda a: fn(a))(arrays), fn(rest)
+
+        _assert_same(run(ours)[0], run(theirs)[0])
+        _assert_same(run(ours)[1], run(theirs)[1])
+    else:
+        _assert_same(ours(leaves), theirs(leaves))
+
+
+@pytest.mark.parametrize("fn", ["cast_to_full", "cast_to_half"])
+def test_cast_to_full_and_half_match_jmp(fn):
+    """cast_to_full/cast_to_half give jmp's results on every kind of leaf."""
+    _assert_same(getattr(jmp_policy, fn)(_leaves()), getattr(real_jmp, fn)(_leaves()))
+
+
+def test_weak_float32_promotes_as_in_jmp():
+    """Point 2: `bf16_array * cast_to_full(jnp.asarray(0.1))` is float32, as with jmp."""
+    x = jnp.ones(2, jnp.bfloat16)
+    for lib in (jmp_policy, real_jmp):
+        full = lib.cast_to_full(jnp.asarray(0.1))
+        assert not jax.typeof(full).weak_type
+        assert (x * full).dtype == jnp.float32
+        compute = lib.get_policy("p=f32,c=f32,o=f32").cast_to_compute(jnp.asarray(0.1))
+        assert (x * compute).dtype == jnp.float32
+
+
+def test_strong_leaf_in_target_dtype_adds_no_convert():
+    """A strongly typed leaf already in the target dtype is returned as is: no
+    convert op in the traced program (jmp emits one); a weak one gets one."""
+    policy = jmp_policy.get_policy("f32")
+    strong = jax.make_jaxpr(policy.cast_to_compute)(jnp.ones(2, jnp.float32))
+    weak = jax.make_jaxpr(policy.cast_to_compute)(jnp.asarray(0.1))
+    assert [e.primitive.name for e in strong.eqns] == []
+    assert [e.primitive.name for e in weak.eqns] == ["convert_element_type"]
+    x = jnp.ones(2, jnp.float32)
+    assert policy.cast_to_compute(x) is x
+
+
+def test_half_dtype_matches_jmp():
+    """Point 1: half_dtype() is jmp's scalar type, callable as in jmp's README."""
+    assert jmp_policy.half_dtype() is real_jmp.half_dtype()
+    ours = jmp_policy.DynamicLossScale(jmp_policy.half_dtype()(2**15))
+    theirs = real_jmp.DynamicLossScale(real_jmp.half_dtype()(2**15))
+    assert float(ours.loss_scale) == float(theirs.loss_scale) == 2.0**15
+    # The one difference: the scale is stored as float32 (see
+    # test_float16_scale_adjusts_where_jmp_crashes).
+    assert ours.loss_scale.dtype == jnp.float32 and theirs.loss_scale.dtype == jnp.float16
+
+
+def test_numpy_scalar_in_haiku_module_matches_jmp():
+    """Point 3: a Haiku module given a numpy scalar computes jmp's value."""
+    hk = pytest.importorskip("haiku")
+
+    def run(lib):
+        def f(x, s):
+            return hk.Linear(3, w_init=hk.initializers.Constant(0.3))(x) * s
+
+        policy = lib.get_policy("p=f32,c=bf16,o=f32")
+        hk.mixed_precision.set_policy(hk.Linear, policy)
+        try:
+            t = hk.without_apply_rng(hk.transform(f))
+            x, s = jnp.linspace(-1, 1, 4).reshape(2, 2), np.float32(1.0 / 3.0)
+            params = t.init(jax.random.key(0), x, s)
+            return np.asarray(t.apply(params, x, s), np.float32)
+        finally:
+            hk.mixed_precision.clear_policy(hk.Linear)
+
+    np.testing.assert_array_equal(run(jmp_policy), run(real_jmp))
+
+
+# --------------------------------------------------------------------------
+# Deliberate differences from jmp 0.0.4 (each listed in the README).
+
+
+def test_unscale_in_float32_with_python_float_scale():
+    """Point 4: jmp unscales float16 gradients in float16 with a Python-float
+    scale, flushing small ones to zero; jmp_policy unscales in float32."""
+    grads = jnp.asarray([2.0**-10, 1.0], jnp.float16)
+    theirs = real_jmp.DynamicLossScale(2.0**15).unscale(grads)
+    ours = jmp_policy.DynamicLossScale(2.0**15).unscale(grads)
+    assert theirs.dtype == jnp.float16 and float(theirs[0]) == 0.0  # 2**-25: flushed
+    assert ours.dtype == jnp.float32 and float(ours[0]) == 2.0**-25
+
+
+def test_float16_scale_adjusts_where_jmp_crashes():
+    """A float16 scale: jmp's `adjust` fails on a dtype mismatch (float16 scale,
+    float32 min_loss_scale); jmp_policy stores every scale as float32."""
+    finite = jnp.asarray(False)
+    with pytest.raises(TypeError):
+        real_jmp.DynamicLossScale(jnp.float16(2**15)).adjust(finite)
+    ours = jmp_policy.DynamicLossScale(jnp.float16(2**15)).adjust(finite)
+    assert float(ours.loss_scale) == 2.0**14 and ours.loss_scale.dtype == jnp.float32
+
+
+def test_min_loss_scale_survives_jit():
+    """jmp drops min_loss_scale when the state crosses jax.jit (it is not in its
+    pytree); jmp_policy keeps it."""
+    for lib, expected in ((real_jmp, 1.0), (jmp_policy, 64.0)):
+        scale = lib.DynamicLossScale(jnp.float32(128.0), min_loss_scale=jnp.float32(64.0))
+        scale = jax.jit(lambda s: s)(scale)
+        for _ in range(8):  # 128 / 2**8 would be below both floors
+            scale = scale.adjust(jnp.asarray(False))
+        assert float(scale.loss_scale) == expected, lib
+
+
+def test_str_of_numpy_dtype_policy():
+    """`str(Policy(np.dtype('float32'), ...))` raises KeyError in jmp (its name
+    table is keyed by scalar types); jmp_policy prints it, and its fields are
+    normalised to `np.dtype`."""
+    dtypes = (np.dtype("float32"), np.dtype("float16"), np.dtype("float32"))
+    with pytest.raises(KeyError):
+        str(real_jmp.Policy(*dtypes))
+    policy = jmp_policy.Policy(*dtypes)
+    assert str(policy) == "p=full,c=f16,o=full"
+    assert isinstance(jmp_policy.Policy(jnp.float32, jnp.float16, jnp.float32).param_dtype, np.dtype)
+
+
+def test_duplicate_key_in_spec():
+    """jmp lets the last of two values for a field win; jmp_policy raises."""
+    assert real_jmp.get_policy("c=f16,c=bf16").compute_dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="Duplicate key 'c'"):
+        jmp_policy.get_policy("c=f16,c=bf16")
+
+
+def test_user_errors_are_value_errors_not_asserts():
+    """jmp checks `select_tree`'s predicate with `assert` (gone under -O);
+    jmp_policy raises an error that is both a ValueError and an AssertionError."""
+    with pytest.raises(AssertionError):
+        real_jmp.select_tree(jnp.ones(2, bool), 1.0, 2.0)
+    with pytest.raises(ValueError) as info:
+        jmp_policy.select_tree(jnp.ones(2, bool), 1.0, 2.0)
+    assert isinstance(info.value, AssertionError) and "pred" in str(info.value)
