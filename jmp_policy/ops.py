@@ -202,13 +202,13 @@ def _accumulating_product(product, lhs, rhs, compute_dtype, out_dtype):
 
 
 _JVP_UNSUPPORTED = (
-    "Forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian) through "
+    "Forward-mode differentiation (jax.jvp, jax.jacfwd) through "
     "jmp_policy's float32-accumulating half matmuls (half_dot_general, "
     "half_conv_general_dilated, and autocast, which uses them) is not supported: "
     "their jax.custom_vjp defines reverse mode only. Use reverse mode (jax.grad, "
     "jax.vjp, jax.jacrev), or for forward mode use plain lax.dot_general / "
     "lax.conv_general_dilated with preferred_element_type=jnp.float32 (or autocast "
-    "with half_primitives=())."
+    "with half_primitives=()). Forward over reverse (jax.hessian) works."
 )
 
 
@@ -224,8 +224,8 @@ def _check_shapes(op: Callable, lhs: Any, rhs: Any, name: str) -> None:
             jax.ShapeDtypeStruct(np.shape(lhs), lhs.dtype),
             jax.ShapeDtypeStruct(np.shape(rhs), rhs.dtype),
         )
-    except TypeError as e:
-        raise TypeError(
+    except (TypeError, ValueError) as e:  # The class lax raises, with its words.
+        raise type(e)(
             f"{name}: lhs of shape {tuple(np.shape(lhs))} and rhs of shape "
             f"{tuple(np.shape(rhs))} do not fit: {e}"
         ) from None
@@ -295,7 +295,10 @@ def half_dot_general(
       TypeError: if `compute_dtype` is not a half dtype or None; if the
         operands' shapes do not fit `dimension_numbers` (naming the dimensions,
         as `lax.dot_general` does); under forward-mode differentiation
-        (`jax.jvp`, `jax.jacfwd`), which the custom VJP does not support.
+        (`jax.jvp`, `jax.jacfwd`), which the custom VJP does not support (with
+        `jax.jit` between `jax.jvp` and this call, JAX reports it when it
+        compiles, in its own words: "can't apply forward-mode autodiff (jvp)
+        to a custom_vjp function").
 
     >>> import jax, jax.numpy as jnp
     >>> from jmp_policy.ops import half_dot_general
