@@ -153,8 +153,9 @@ def loss_scaled(
 def _saturating_add(count: jax.Array, inc: jax.Array) -> jax.Array:
     # Like optax.safe_increment: stays at int32's maximum instead of wrapping
     # to -2**31 (after 2**31 - 1 skipped steps, e.g. a run stuck on NaNs).
-    limit = jnp.iinfo(jnp.int32).max
-    return jnp.where(count >= limit - inc, limit, count + inc).astype(jnp.int32)
+    # XLA's integer add wraps, so for inc >= 0 a wrapped sum is below `count`
+    # and the max keeps `count` (one op, no comparison against the limit).
+    return jax.lax.max(count, count + inc)
 
 
 def _short_repr(x: Any, limit: int = 120) -> str:

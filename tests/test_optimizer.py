@@ -476,6 +476,7 @@ def test_noop_adds_only_the_finiteness_check_and_select(strict):
         "convert_element_type",
         "add",
         "mul",
+        "max",  # the counters saturate at int32's maximum
     }
     assert "div" in wrapped_prims(jmp.StaticLossScale(8.0))  # the check can fail
 
