@@ -221,6 +221,12 @@ def test_unscale_in_float32_with_python_float_scale():
     ours = jmp_policy.DynamicLossScale(2.0**15).unscale(grads)
     assert theirs.dtype == jnp.float16 and float(theirs[0]) == 0.0  # 2**-25: flushed
     assert ours.dtype == jnp.float32 and float(ours[0]) == 2.0**-25
+    # A Python float loss: jmp returns a Python float, jmp_policy a float32 array.
+    theirs_loss = real_jmp.DynamicLossScale(2.0**15).scale(0.5)
+    ours_loss = jmp_policy.DynamicLossScale(2.0**15).scale(0.5)
+    assert type(theirs_loss) is float and theirs_loss == 2.0**14
+    assert isinstance(ours_loss, jax.Array) and ours_loss.dtype == jnp.float32
+    assert float(ours_loss) == 2.0**14
 
 
 def test_float16_scale_adjusts_where_jmp_crashes():
@@ -291,7 +297,7 @@ def test_readme_lists_each_difference_with_a_test_that_exists():
     section = readme.split("### Differences from jmp 0.0.4", 1)[1].split("\n## ", 1)[0]
     entries = re.findall(r"^\d+\. \*\*", section, flags=re.M)
     links = re.findall(r"\[`(tests/[\w/]+\.py)::(\w+)`\]\((tests/[\w/]+\.py)\)", section)
-    assert len(entries) == len(links) >= 8
+    assert len(entries) == len(links) >= 9
     for path, name, target in links:
         assert path == target
         assert re.search(rf"^def {name}\(", (root / path).read_text(), flags=re.M), name
@@ -306,4 +312,17 @@ def test_readme_lists_each_difference_with_a_test_that_exists():
         "test_user_errors_are_value_errors_not_asserts",
         "test_noop_loss_scale_value_is_float32",
         "test_strong_leaf_in_target_dtype_adds_no_convert",
+        "test_integer_leaves_are_not_scaled",
     } <= listed
+
+
+def test_integer_leaves_are_not_scaled():
+    """jmp multiplies every leaf by the scale, so an integer leaf (a count, a
+    label carried with the loss) becomes a float; jmp_policy scales floating
+    leaves only and leaves integers as they are."""
+    tree = {"loss": jnp.float32(0.5), "count": jnp.arange(2), "n": 3}
+    theirs = real_jmp.StaticLossScale(jnp.float32(4.0)).scale(tree)
+    ours = jmp_policy.StaticLossScale(4.0).scale(tree)
+    assert float(theirs["loss"]) == float(ours["loss"]) == 2.0
+    assert theirs["count"].dtype == jnp.float32 and theirs["n"] == 12.0
+    assert ours["count"].dtype == jnp.int32 and ours["count"].tolist() == [0, 1] and ours["n"] == 3
