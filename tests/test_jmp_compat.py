@@ -189,24 +189,29 @@ def test_half_dtype_matches_jmp():
 
 
 def test_numpy_scalar_in_haiku_module_matches_jmp():
-    """Point 3: a Haiku module given a numpy scalar computes jmp's value."""
+    """Point 3: a Haiku module given a numpy scalar computes jmp's value (its
+    policy casts the module's arguments: jmp leaves the numpy scalar alone)."""
     hk = pytest.importorskip("haiku")
 
+    class Scaled(hk.Module):
+        def __call__(self, x, s):
+            w = hk.get_parameter("w", (3, 2), init=hk.initializers.Constant(0.3))
+            return x @ w * s
+
     def run(lib):
-        def f(x, s):
-            return hk.Linear(3, w_init=hk.initializers.Constant(0.3))(x) * s
-
-        policy = lib.get_policy("p=f32,c=bf16,o=f32")
-        hk.mixed_precision.set_policy(hk.Linear, policy)
+        hk.mixed_precision.set_policy(Scaled, lib.get_policy("p=f32,c=bf16,o=f32"))
         try:
-            t = hk.without_apply_rng(hk.transform(f))
-            x, s = jnp.linspace(-1, 1, 4).reshape(2, 2), np.float32(1.0 / 3.0)
+            t = hk.without_apply_rng(hk.transform(lambda x, s: Scaled()(x, s)))
+            x, s = jnp.linspace(-1, 1, 6).reshape(2, 3), np.float32(1.0 / 3.0)
             params = t.init(jax.random.key(0), x, s)
-            return np.asarray(t.apply(params, x, s), np.float32)
+            out = t.apply(params, x, s)
+            return out.dtype, np.asarray(out, np.float32)
         finally:
-            hk.mixed_precision.clear_policy(hk.Linear)
+            hk.mixed_precision.clear_policy(Scaled)
 
-    np.testing.assert_array_equal(run(jmp_policy), run(real_jmp))
+    (ours_dtype, ours), (theirs_dtype, theirs) = run(jmp_policy), run(real_jmp)
+    assert ours_dtype == theirs_dtype == jnp.float32
+    np.testing.assert_array_equal(ours, theirs)
 
 
 # --------------------------------------------------------------------------
