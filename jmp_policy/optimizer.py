@@ -35,11 +35,12 @@ class LossScaledState(NamedTuple):
 
     >>> import jax.numpy as jnp, optax
     >>> import jmp_policy as jmp
-    >>> tx = jmp.loss_scaled(optax.adam(1e-3), jmp.NoOpLossScale())
+    >>> schedule = lambda count: -0.1  # any optax schedule reads the same count
+    >>> tx = jmp.loss_scaled(optax.scale_by_schedule(schedule), jmp.NoOpLossScale())
     >>> state = tx.init({"w": jnp.ones(2)})
     >>> for g in (1.0, jnp.nan, 1.0):  # the second step is skipped
     ...     _, state = tx.update({"w": jnp.full(2, g)}, state)
-    >>> int(state.total_notfinite), int(state.inner_state[0].count)  # skipped, applied
+    >>> int(state.total_notfinite), int(state.inner_state.count)  # skipped, applied
     (1, 2)
     """
 
