@@ -82,9 +82,11 @@ def test_apply_if_finite(opt_builder, loss_scale):
     opt = jmp.loss_scaled(opt_builder(), loss_scale)
     state = opt.init(params)
 
+    # The gradients of the scaled loss, at the current scale (a pytree argument).
+    scaled_grad = jax.jit(jax.grad(lambda p, x, scale: scale.scale(fn(p, x))))
+
     def grads_fn(p, x):
-        scale = jmp.get_loss_scale(state)
-        return jax.grad(jax.jit(lambda p, x: scale.scale(fn(p, x))))(p, x)
+        return scaled_grad(p, x, jmp.get_loss_scale(state))
 
     # Do one successful param update
     grads = grads_fn(params, one)
