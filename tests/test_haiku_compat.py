@@ -16,10 +16,10 @@ import types
 import jax
 import pytest
 
+import jmp_policy
+
 pytest.importorskip("haiku")
 pytest.importorskip("absl.testing.absltest")
-
-import jmp_policy  # noqa: E402
 
 
 def _load_haiku_test(filename: str) -> types.ModuleType:

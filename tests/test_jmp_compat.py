@@ -9,7 +9,12 @@ import types
 import unittest
 
 import jax
+import jax.numpy as jnp
+import jmp as real_jmp
+import numpy as np
 import pytest
+
+import jmp_policy
 
 pytest.importorskip("absl.testing.parameterized")
 
@@ -70,11 +75,6 @@ def _standard_promotion():
 # Side by side with the installed jmp 0.0.4: where jmp_policy is jmp, the same
 # types, dtypes, weak types and values on the same inputs.
 
-import jax.numpy as jnp  # noqa: E402
-import jmp as real_jmp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import jmp_policy  # noqa: E402
 
 SPECS = ["p=f32,c=bf16,o=f16", "mixed_float16", "f32", "half", "c=half", "bf16"]
 METHODS = ["cast_to_param", "cast_to_compute", "cast_to_output"]
@@ -264,7 +264,8 @@ def test_str_of_numpy_dtype_policy():
         str(real_jmp.Policy(*dtypes))
     policy = jmp_policy.Policy(*dtypes)
     assert str(policy) == "p=full,c=f16,o=full"
-    assert isinstance(jmp_policy.Policy(jnp.float32, jnp.float16, jnp.float32).param_dtype, np.dtype)
+    scalar_types = jmp_policy.Policy(jnp.float32, jnp.float16, jnp.float32)
+    assert isinstance(scalar_types.param_dtype, np.dtype)
 
 
 def test_duplicate_key_in_spec():
@@ -300,12 +301,12 @@ def test_readme_lists_each_difference_with_a_test_that_exists():
     root = pathlib.Path(__file__).resolve().parent.parent
     readme = (root / "README.md").read_text()
     section = readme.split("### Differences from jmp 0.0.4", 1)[1].split("\n## ", 1)[0]
-    entries = re.findall(r"^\d+\. \*\*", section, flags=re.M)
+    entries = re.findall(r"^\d+\. \*\*", section, flags=re.MULTILINE)
     links = re.findall(r"\[`(tests/[\w/]+\.py)::(\w+)`\]\((tests/[\w/]+\.py)\)", section)
     assert len(entries) == len(links) >= 9
     for path, name, target in links:
         assert path == target
-        assert re.search(rf"^def {name}\(", (root / path).read_text(), flags=re.M), name
+        assert re.search(rf"^def {name}\(", (root / path).read_text(), flags=re.MULTILINE), name
     listed = {name for _, name, _ in links}
     # The tests of this file that pin a deliberate difference, all listed.
     assert {

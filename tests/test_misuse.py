@@ -44,7 +44,9 @@ def test_duplicate_key_in_policy_spec_is_a_value_error():
 def test_misspelt_primitive_name_is_a_value_error_with_close_matches():
     """7: a misspelt name in a primitive list would silently match nothing."""
     with pytest.raises(ValueError) as info:
-        jmp.autocast(jnp.tanh, "mixed_bfloat16", float32_primitives=jmp.FLOAT32_PRIMITIVES | {"tahn"})
+        jmp.autocast(
+            jnp.tanh, "mixed_bfloat16", float32_primitives=jmp.FLOAT32_PRIMITIVES | {"tahn"}
+        )
     message = str(info.value)
     assert "float32_primitives" in message and "'tahn'" in message and "'tanh'" in message
     # Every name of jax.extend.core.primitives and of the default lists is accepted.
@@ -80,7 +82,7 @@ def test_all_finite_of_a_non_array_leaf_is_a_type_error(tree):
         jmp.all_finite(tree)
     message = str(info.value)
     assert "leaf of tree must be an array or a number" in message
-    bad = [x for x in jax.tree.leaves(tree) if not isinstance(x, jax.Array)][0]
+    bad = next(x for x in jax.tree.leaves(tree) if not isinstance(x, jax.Array))
     assert repr(bad) in message
 
 
@@ -102,7 +104,9 @@ def _half_matmul(w):
 _autocast_matmul = jmp.autocast(lambda w: jnp.ones((2, 3)) @ w, "mixed_bfloat16")
 
 
-@pytest.mark.parametrize("fn", [_half_matmul, _autocast_matmul], ids=["half_dot_general", "autocast"])
+@pytest.mark.parametrize(
+    "fn", [_half_matmul, _autocast_matmul], ids=["half_dot_general", "autocast"]
+)
 @pytest.mark.parametrize(
     "transform",
     [
@@ -122,10 +126,11 @@ def test_forward_mode_says_what_to_use_instead(fn, transform):
     assert "preferred_element_type=jnp.float32" in message
     # Reverse mode works, and the suggested forward-mode replacement does too.
     assert jax.grad(lambda v: fn(v).sum())(w).shape == w.shape
-    plain = lambda v: lax.dot_general(  # noqa: E731
-        jnp.ones((2, 3), jnp.bfloat16), v.astype(jnp.bfloat16), MATMUL,
-        preferred_element_type=jnp.float32,
-    )
+    def plain(v):
+        x = jnp.ones((2, 3), jnp.bfloat16)
+        v = v.astype(jnp.bfloat16)
+        return lax.dot_general(x, v, MATMUL, preferred_element_type=jnp.float32)
+
     assert jax.jvp(plain, (w,), (w,))[1].dtype == jnp.float32
 
 
