@@ -235,13 +235,21 @@ def test_unscale_in_float32_with_python_float_scale():
 
 
 def test_float16_scale_adjusts_where_jmp_crashes():
-    """A float16 scale: jmp's `adjust` fails on a dtype mismatch (float16 scale,
-    float32 min_loss_scale); jmp_policy stores every scale as float32."""
+    """A float16 or int32 scale: jmp's `adjust` fails on a dtype mismatch (with
+    its float32 min_loss_scale); jmp_policy stores every scale as float32."""
     finite = jnp.asarray(False)
     with pytest.raises(TypeError):
         real_jmp.DynamicLossScale(jnp.float16(2**15)).adjust(finite)
     ours = jmp_policy.DynamicLossScale(jnp.float16(2**15)).adjust(finite)
     assert float(ours.loss_scale) == 2.0**14 and ours.loss_scale.dtype == jnp.float32
+    # An integer scale: both warn; jmp's `adjust` then fails, jmp_policy's works.
+    with pytest.warns(UserWarning, match="Expected floating type for loss_scale"):
+        theirs_int = real_jmp.DynamicLossScale(jnp.int32(2**15))
+    with pytest.raises(TypeError):
+        theirs_int.adjust(finite)
+    with pytest.warns(UserWarning, match="Expected floating type for loss_scale"):
+        ours_int = jmp_policy.DynamicLossScale(jnp.int32(2**15))
+    assert float(ours_int.adjust(finite).loss_scale) == 2.0**14
 
 
 def test_min_loss_scale_survives_jit():
