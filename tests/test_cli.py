@@ -85,9 +85,15 @@ def test_default_demo_shows_the_result_of_the_paper(tmp_path):
     f32, bf16, f16, f16_unscaled = (accuracy[name] for name in RUN_NAMES)
     assert f32 > 95, out.getvalue()
     assert abs(bf16 - f32) <= 1 and abs(f16 - f32) <= 1, accuracy
+    # The unscaled float16 row is chaotic: its figures vary with the machine
+    # (README: "What the demo shows"), so the property is asserted, not a number.
+    by_name = {r.name: r for r in results}
+    unscaled, full = by_name[RUN_NAMES[3]], by_name[RUN_NAMES[0]]
     assert f16_unscaled < f32 - 10, accuracy
+    assert unscaled.final_loss > 100 * full.final_loss, (unscaled.final_loss, full.final_loss)
+    assert unscaled.zero_grads.mean() > full.zero_grads.mean() + 0.2  # flushed to zero
     assert sum(r.skipped for r in results) == 0
-    assert "clearly worse" in out.getvalue()
+    assert "clearly worse" in out.getvalue() and "chaotic" in out.getvalue()
     assert_png(tmp_path / "demo.png")
 
 

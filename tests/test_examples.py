@@ -124,9 +124,8 @@ def test_train_mlp_demo_prints_a_row_per_policy(capsys):
 @pytest.fixture(scope="module")
 def transformer_benchmark():
     """`benchmarks/transformer.py --no-time`: its module and its table rows by variant."""
-    bench = _load("benchmarks/transformer.py", "transformer_benchmark")
-    # The script is a thin entry point: its names live where `main` is defined.
-    bench = sys.modules[bench.main.__module__]
+    from jmp_policy.app.benchmarks import transformer as bench
+
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         status = bench.main(["--no-time"])

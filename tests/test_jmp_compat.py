@@ -9,7 +9,12 @@ import types
 import unittest
 
 import jax
+import jax.numpy as jnp
+import jmp as real_jmp
+import numpy as np
 import pytest
+
+import jmp_policy
 
 pytest.importorskip("absl.testing.parameterized")
 
@@ -64,3 +69,274 @@ def _standard_promotion():
     # promotion; the rest of our suite runs under strict promotion.
     with jax.numpy_dtype_promotion("standard"):
         yield
+
+
+# --------------------------------------------------------------------------
+# Side by side with the installed jmp 0.0.4: where jmp_policy is jmp, the same
+# types, dtypes, weak types and values on the same inputs.
+
+
+SPECS = ["p=f32,c=bf16,o=f16", "mixed_float16", "f32", "half", "c=half", "bf16"]
+METHODS = ["cast_to_param", "cast_to_compute", "cast_to_output"]
+
+
+def _jmp_spec(spec: str) -> str:
+    return {"mixed_float16": "p=f32,c=f16,o=f32"}.get(spec, spec)
+
+
+def _leaves():
+    """One of each kind of leaf a user passes (issue: weak types, numpy scalars)."""
+    return {
+        "weak_f32": jnp.asarray(0.1),  # weakly typed float32
+        "weak_f32_vec": jnp.full((2,), 0.25, dtype=None) * 1.0,
+        "f32": jnp.asarray([0.1, -2.5], jnp.float32),
+        "bf16": jnp.asarray([0.1, 3.0], jnp.bfloat16),
+        "f16": jnp.asarray([0.1, 3.0], jnp.float16),
+        "np_f32_scalar": np.float32(3.1),
+        "np_f64_scalar": np.float64(0.3),
+        "np_f32": np.asarray([0.1, 7.0], np.float32),
+        "np_f64": np.asarray([0.1, 7.0], np.float64),
+        "np_f32_0d": np.asarray(0.1, np.float32),
+        "py_float": 1.5,
+        "py_int": 3,
+        "i32": jnp.arange(3, dtype=jnp.int32),
+        "weak_i32": jnp.asarray(2),
+        "bool": jnp.asarray([True]),
+    }
+
+
+def _describe(x):
+    """What must agree: the Python type, the dtype, the weak type and the values."""
+    if isinstance(x, jax.Array):
+        return ("jax.Array", np.dtype(x.dtype), jax.typeof(x).weak_type, np.asarray(x).tolist())
+    if isinstance(x, (np.ndarray, np.generic)):
+        return (type(x).__name__, np.dtype(x.dtype), False, np.asarray(x).tolist())
+    return (type(x).__name__, None, None, x)
+
+
+def _assert_same(ours, theirs):
+    ours_l, ours_t = jax.tree.flatten(ours)
+    theirs_l, theirs_t = jax.tree.flatten(theirs)
+    assert ours_t == theirs_t
+    for key, a, b in zip(sorted(_leaves()), ours_l, theirs_l):
+        assert _describe(a) == _describe(b), key
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("spec", SPECS)
+def test_casts_match_jmp(spec, method, jit):
+    """Points 2-3: every Policy cast gives jmp's types, dtypes, weak types and values.
+
+    Weakly typed float32 arrays come back strongly typed (jmp's `astype`),
+    numpy scalars and Python numbers are left alone, numpy arrays stay numpy.
+    Under jit only array arguments are traced; the others are closed over.
+    """
+    ours = getattr(jmp_policy.get_policy(spec), method)
+    theirs = getattr(real_jmp.get_policy(_jmp_spec(spec)), method)
+    leaves = _leaves()
+    if jit:
+        arrays = {k: v for k, v in leaves.items() if isinstance(v, jax.Array)}
+        rest = {k: v for k, v in leaves.items() if k not in arrays}
+
+        def run(fn):
+            return jax.jit(lambda a: fn(a))(arrays), fn(rest)
+
+        _assert_same(run(ours)[0], run(theirs)[0])
+        _assert_same(run(ours)[1], run(theirs)[1])
+    else:
+        _assert_same(ours(leaves), theirs(leaves))
+
+
+@pytest.mark.parametrize("fn", ["cast_to_full", "cast_to_half"])
+def test_cast_to_full_and_half_match_jmp(fn):
+    """cast_to_full/cast_to_half give jmp's results on every kind of leaf."""
+    _assert_same(getattr(jmp_policy, fn)(_leaves()), getattr(real_jmp, fn)(_leaves()))
+
+
+def test_weak_float32_promotes_as_in_jmp():
+    """Point 2: `bf16_array * cast_to_full(jnp.asarray(0.1))` is float32, as with jmp."""
+    x = jnp.ones(2, jnp.bfloat16)
+    for lib in (jmp_policy, real_jmp):
+        full = lib.cast_to_full(jnp.asarray(0.1))
+        assert not jax.typeof(full).weak_type
+        assert (x * full).dtype == jnp.float32
+        compute = lib.get_policy("p=f32,c=f32,o=f32").cast_to_compute(jnp.asarray(0.1))
+        assert (x * compute).dtype == jnp.float32
+
+
+def test_strong_leaf_in_target_dtype_adds_no_convert():
+    """A strongly typed leaf already in the target dtype is returned as is: no
+    convert op in the traced program (jmp emits one); a weak one gets one."""
+    policy = jmp_policy.get_policy("f32")
+    strong = jax.make_jaxpr(policy.cast_to_compute)(jnp.ones(2, jnp.float32))
+    weak = jax.make_jaxpr(policy.cast_to_compute)(jnp.asarray(0.1))
+    assert [e.primitive.name for e in strong.eqns] == []
+    assert [e.primitive.name for e in weak.eqns] == ["convert_element_type"]
+    x = jnp.ones(2, jnp.float32)
+    assert policy.cast_to_compute(x) is x
+
+
+def test_half_dtype_matches_jmp():
+    """Point 1: half_dtype() is jmp's scalar type, callable as in jmp's README."""
+    assert jmp_policy.half_dtype() is real_jmp.half_dtype()
+    ours = jmp_policy.DynamicLossScale(jmp_policy.half_dtype()(2**15))
+    theirs = real_jmp.DynamicLossScale(real_jmp.half_dtype()(2**15))
+    assert float(ours.loss_scale) == float(theirs.loss_scale) == 2.0**15
+    # The one difference: the scale is stored as float32 (see
+    # test_float16_scale_adjusts_where_jmp_crashes).
+    assert ours.loss_scale.dtype == jnp.float32 and theirs.loss_scale.dtype == jnp.float16
+
+
+def test_numpy_scalar_in_haiku_module_matches_jmp():
+    """Point 3: a Haiku module given a numpy scalar computes jmp's value (its
+    policy casts the module's arguments: jmp leaves the numpy scalar alone)."""
+    hk = pytest.importorskip("haiku")
+
+    class Scaled(hk.Module):
+        def __call__(self, x, s):
+            w = hk.get_parameter("w", (3, 2), init=hk.initializers.Constant(0.3))
+            return x @ w * s
+
+    def run(lib):
+        hk.mixed_precision.set_policy(Scaled, lib.get_policy("p=f32,c=bf16,o=f32"))
+        try:
+            t = hk.without_apply_rng(hk.transform(lambda x, s: Scaled()(x, s)))
+            x, s = jnp.linspace(-1, 1, 6).reshape(2, 3), np.float32(1.0 / 3.0)
+            params = t.init(jax.random.key(0), x, s)
+            out = t.apply(params, x, s)
+            return out.dtype, np.asarray(out, np.float32)
+        finally:
+            hk.mixed_precision.clear_policy(Scaled)
+
+    (ours_dtype, ours), (theirs_dtype, theirs) = run(jmp_policy), run(real_jmp)
+    assert ours_dtype == theirs_dtype == jnp.float32
+    np.testing.assert_array_equal(ours, theirs)
+
+
+# --------------------------------------------------------------------------
+# Deliberate differences from jmp 0.0.4 (each listed in the README).
+
+
+def test_unscale_in_float32_with_python_float_scale():
+    """Point 4: jmp unscales float16 gradients in float16 with a Python-float
+    scale, flushing small ones to zero; jmp_policy unscales in float32."""
+    grads = jnp.asarray([2.0**-10, 1.0], jnp.float16)
+    theirs = real_jmp.DynamicLossScale(2.0**15).unscale(grads)
+    ours = jmp_policy.DynamicLossScale(2.0**15).unscale(grads)
+    assert theirs.dtype == jnp.float16 and float(theirs[0]) == 0.0  # 2**-25: flushed
+    assert ours.dtype == jnp.float32 and float(ours[0]) == 2.0**-25
+    # A Python float loss: jmp returns a Python float, jmp_policy a float32 array.
+    theirs_loss = real_jmp.DynamicLossScale(2.0**15).scale(0.5)
+    ours_loss = jmp_policy.DynamicLossScale(2.0**15).scale(0.5)
+    assert type(theirs_loss) is float and theirs_loss == 2.0**14
+    assert isinstance(ours_loss, jax.Array) and ours_loss.dtype == jnp.float32
+    assert float(ours_loss) == 2.0**14
+
+
+def test_float16_scale_adjusts_where_jmp_crashes():
+    """A float16 or int32 scale: jmp's `adjust` fails on a dtype mismatch (with
+    its float32 min_loss_scale); jmp_policy stores every scale as float32."""
+    finite = jnp.asarray(False)
+    with pytest.raises(TypeError):
+        real_jmp.DynamicLossScale(jnp.float16(2**15)).adjust(finite)
+    ours = jmp_policy.DynamicLossScale(jnp.float16(2**15)).adjust(finite)
+    assert float(ours.loss_scale) == 2.0**14 and ours.loss_scale.dtype == jnp.float32
+    # An integer scale: both warn; jmp's `adjust` then fails, jmp_policy's works.
+    with pytest.warns(UserWarning, match="Expected floating type for loss_scale"):
+        theirs_int = real_jmp.DynamicLossScale(jnp.int32(2**15))
+    with pytest.raises(TypeError):
+        theirs_int.adjust(finite)
+    with pytest.warns(UserWarning, match="Expected floating type for loss_scale"):
+        ours_int = jmp_policy.DynamicLossScale(jnp.int32(2**15))
+    assert float(ours_int.adjust(finite).loss_scale) == 2.0**14
+
+
+def test_min_loss_scale_survives_jit():
+    """jmp drops min_loss_scale when the state crosses jax.jit (it is not in its
+    pytree); jmp_policy keeps it."""
+    for lib, expected in ((real_jmp, 1.0), (jmp_policy, 64.0)):
+        scale = lib.DynamicLossScale(jnp.float32(128.0), min_loss_scale=jnp.float32(64.0))
+        scale = jax.jit(lambda s: s)(scale)
+        for _ in range(8):  # 128 / 2**8 would be below both floors
+            scale = scale.adjust(jnp.asarray(False))
+        assert float(scale.loss_scale) == expected, lib
+
+
+def test_str_of_numpy_dtype_policy():
+    """`str(Policy(np.dtype('float32'), ...))` raises KeyError in jmp (its name
+    table is keyed by scalar types); jmp_policy prints it, and its fields are
+    normalised to `np.dtype`."""
+    dtypes = (np.dtype("float32"), np.dtype("float16"), np.dtype("float32"))
+    with pytest.raises(KeyError):
+        str(real_jmp.Policy(*dtypes))
+    policy = jmp_policy.Policy(*dtypes)
+    assert str(policy) == "p=full,c=f16,o=full"
+    scalar_types = jmp_policy.Policy(jnp.float32, jnp.float16, jnp.float32)
+    assert isinstance(scalar_types.param_dtype, np.dtype)
+
+
+def test_duplicate_key_in_spec():
+    """jmp lets the last of two values for a field win; jmp_policy raises."""
+    assert real_jmp.get_policy("c=f16,c=bf16").compute_dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="Duplicate key 'c'"):
+        jmp_policy.get_policy("c=f16,c=bf16")
+
+
+def test_user_errors_are_value_errors_not_asserts():
+    """jmp checks `select_tree`'s predicate with `assert` (gone under -O);
+    jmp_policy raises an error that is both a ValueError and an AssertionError."""
+    with pytest.raises(AssertionError):
+        real_jmp.select_tree(jnp.ones(2, bool), 1.0, 2.0)
+    with pytest.raises(ValueError) as info:
+        jmp_policy.select_tree(jnp.ones(2, bool), 1.0, 2.0)
+    assert isinstance(info.value, AssertionError) and "pred" in str(info.value)
+
+
+def test_noop_loss_scale_value_is_float32():
+    """jmp's NoOpLossScale().loss_scale is the int 1; jmp_policy's a float32 1."""
+    theirs, ours = real_jmp.NoOpLossScale().loss_scale, jmp_policy.NoOpLossScale().loss_scale
+    assert theirs == ours == 1
+    assert isinstance(theirs, int) and ours.dtype == np.float32
+
+
+def test_readme_lists_each_difference_with_a_test_that_exists():
+    """Every entry of the README's "Differences from jmp 0.0.4" links a test
+    that exists, and every test here that pins a deliberate difference is listed."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    section = readme.split("### Differences from jmp 0.0.4", 1)[1].split("\n## ", 1)[0]
+    entries = re.findall(r"^\d+\. \*\*", section, flags=re.MULTILINE)
+    links = re.findall(r"\[`(tests/[\w/]+\.py)::(\w+)`\]\((tests/[\w/]+\.py)\)", section)
+    assert len(entries) == len(links) >= 9
+    for path, name, target in links:
+        assert path == target
+        assert re.search(rf"^def {name}\(", (root / path).read_text(), flags=re.MULTILINE), name
+    listed = {name for _, name, _ in links}
+    # The tests of this file that pin a deliberate difference, all listed.
+    assert {
+        "test_unscale_in_float32_with_python_float_scale",
+        "test_float16_scale_adjusts_where_jmp_crashes",
+        "test_min_loss_scale_survives_jit",
+        "test_str_of_numpy_dtype_policy",
+        "test_duplicate_key_in_spec",
+        "test_user_errors_are_value_errors_not_asserts",
+        "test_noop_loss_scale_value_is_float32",
+        "test_strong_leaf_in_target_dtype_adds_no_convert",
+        "test_integer_leaves_are_not_scaled",
+    } <= listed
+
+
+def test_integer_leaves_are_not_scaled():
+    """jmp multiplies every leaf by the scale, so an integer leaf (a count, a
+    label carried with the loss) becomes a float; jmp_policy scales floating
+    leaves only and leaves integers as they are."""
+    tree = {"loss": jnp.float32(0.5), "count": jnp.arange(2), "n": 3}
+    theirs = real_jmp.StaticLossScale(jnp.float32(4.0)).scale(tree)
+    ours = jmp_policy.StaticLossScale(4.0).scale(tree)
+    assert float(theirs["loss"]) == float(ours["loss"]) == 2.0
+    assert theirs["count"].dtype == jnp.float32 and theirs["n"] == 12.0
+    assert ours["count"].dtype == jnp.int32 and ours["count"].tolist() == [0, 1] and ours["n"] == 3

@@ -476,6 +476,7 @@ def test_noop_adds_only_the_finiteness_check_and_select(strict):
         "convert_element_type",
         "add",
         "mul",
+        "max",  # the counters saturate at int32's maximum
     }
     assert "div" in wrapped_prims(jmp.StaticLossScale(8.0))  # the check can fail
 
@@ -563,3 +564,51 @@ def test_half_parameters_keep_their_state_dtypes(dtype, inner, loss_scale):
     after = optax.apply_updates(params, skipped_updates)
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+# --- Which counter counts applied steps ---------------------------------------------
+
+
+def test_applied_steps_drive_schedules_and_train_state_step():
+    """The inner optimizer's count (and a schedule on it) counts applied steps
+    only; flax's `TrainState.step` counts every call unless the skipped step is
+    taken back off, as the README shows; `total_notfinite` counts the skips."""
+    from flax.training import train_state
+
+    schedule = optax.linear_schedule(1.0, 0.0, transition_steps=10)
+    tx = jmp.loss_scaled(
+        optax.chain(optax.scale_by_schedule(schedule), optax.scale(-1.0)),
+        jmp.DynamicLossScale(jnp.float32(4.0)),
+    )
+    params = {"w": jnp.zeros(2)}
+
+    def make(keep_applied):
+        @jax.jit
+        def step(state, g):
+            new = state.apply_gradients(grads=jmp.get_loss_scale(state.opt_state).scale(g))
+            if keep_applied:
+                skipped = new.opt_state.total_notfinite - state.opt_state.total_notfinite
+                new = new.replace(step=new.step - skipped)
+            return new
+
+        return step
+
+    grads = [1.0, jnp.nan, 1.0, jnp.inf, jnp.nan, 1.0]  # 3 applied, 3 skipped
+    for keep_applied in (False, True):
+        state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+        step, seen = make(keep_applied), []
+        for g in grads:
+            state = step(state, {"w": jnp.full(2, g)})
+            count = state.opt_state.inner_state[0].count  # scale_by_schedule's
+            seen.append((int(state.step), int(count), int(state.opt_state.total_notfinite)))
+        applied = [1, 1, 2, 2, 2, 3]
+        skipped = [0, 1, 1, 2, 3, 3]
+        assert [c for _, c, _ in seen] == applied
+        assert [t for _, _, t in seen] == skipped
+        if keep_applied:
+            assert [s for s, _, _ in seen] == applied
+        else:
+            assert [s for s, _, _ in seen] == [1, 2, 3, 4, 5, 6]
+            assert [s - t for s, _, t in seen] == applied
+        # The schedule advanced once per applied step: -(1.0 + 0.9 + 0.8).
+        assert float(state.params["w"][0]) == pytest.approx(-2.7)

@@ -18,6 +18,7 @@ def test_readme_examples_run(capsys):
             exec(compile(block, str(README), "exec"), namespace)
     out = capsys.readouterr().out
     assert "skipped steps 0" in out
+    assert "applied 2, skipped 1, adam count 2" in out  # the counters section
     loss = float(re.search(r"loss (\S+),", out).group(1))
     assert loss < 2.0, out  # 100 steps on 32 examples: well below ln(10)
     params = namespace["params"]

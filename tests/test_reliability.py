@@ -1022,7 +1022,8 @@ def _leaves(draw, jittable: bool):
         return _Leaf(np.asarray(values, F64).astype(dtype).reshape(shape), "float")
     if kind == "np_float_scalar":
         dtype = draw(st.sampled_from((F16, F32, F64)))
-        return _Leaf(np.asarray(values[:1] or [1.5], dtype)[0], "float")
+        # Not an array: left alone as jmp leaves it (a tracer, so cast, under jit).
+        return _Leaf(np.asarray(values[:1] or [1.5], dtype)[0], kind)
     ints = draw(st.lists(st.integers(-100, 100), min_size=n, max_size=n))
     if kind == "jax_int":
         return _Leaf(jnp.asarray(ints, jnp.int32).reshape(shape), kind)
@@ -1077,7 +1078,7 @@ def _check_cast(spec, out, target, jitted: bool):
             _check_cast(s, o, target, jitted)
         return
     x = spec.value
-    if spec.is_float:
+    if spec.is_float or (jitted and spec.kind == "np_float_scalar"):
         assert np.asarray(out).dtype == target
         reference = np.asarray(x).astype(F32 if jitted and x.dtype == F64 else x.dtype)
         # Compared in float64, exact for every dtype here (numpy's testing does
@@ -1120,9 +1121,9 @@ _policies = st.builds(Policy, *[st.sampled_from(_JAX_FLOATS)] * 3)
 def test_property_cast_changes_exactly_the_floating_leaves(spec, policy, method):
     """Random nests of dicts, lists and tuples of jax and numpy arrays (bf16, f16,
     f32, f64, ints, bools), numpy scalars, PRNG keys, Python scalars, None and
-    strings: float leaves get the target dtype and keep value, sign and array
-    type (a leaf already in it is returned as is); every other leaf is returned
-    as is."""
+    strings: float arrays get the target dtype and keep value, sign and array
+    type (a leaf already in it is returned as is); every other leaf, numpy
+    float scalars included (as jmp), is returned as is."""
     cast, target = _CASTS[method](policy)
     _check_cast(spec, cast(_values(spec)), target, jitted=False)
 

@@ -46,7 +46,7 @@ def test_check_all_matched_names_the_pattern_and_paths():
     matched = set()
     rule_set.policy_for(Child(), "a/b", MIXED, matched)
     with pytest.raises(ValueError, match=r"pattern 'zz' matches no module.*\['a', 'a/b'\]"):
-        rule_set.check_all_matched(matched, ["a/b", "a"])
+        rule_set.check_all_matched(matched, ["a/b", "a"], Child())
 
 
 LINEN_DTYPES = {}

@@ -37,6 +37,7 @@ JAX's "Writing custom Jaxpr interpreters" tutorial.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -270,10 +271,22 @@ def _trace_and_eval(fn, args, rules):
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
+def _known_primitive_names() -> frozenset[str]:
+    return ji.primitive_names() | HALF_PRIMITIVES | FLOAT32_PRIMITIVES | PROMOTE_PRIMITIVES
+
+
 def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
     if isinstance(ops, str):
         ops = [ops]
+    try:
+        ops = list(ops)
+    except TypeError:
+        raise TypeError(
+            f"autocast({arg}=...) takes an iterable of primitive names or primitives, "
+            f"got {ops!r}."
+        ) from None
     names = set()
+    known = None
     for op in ops:
         name = op if isinstance(op, str) else getattr(op, "name", None)
         if not isinstance(name, str):
@@ -281,6 +294,17 @@ def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
                 f"autocast({arg}=...) takes primitive names or primitives "
                 f"(e.g. 'exp' or jax.extend.core.primitives.exp_p), got {op!r}."
             )
+        if isinstance(op, str):
+            # A misspelt name would match no operation and change nothing.
+            known = _known_primitive_names() if known is None else known
+            if name not in known:
+                close = difflib.get_close_matches(name, sorted(known), 3)
+                hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+                raise ValueError(
+                    f"autocast({arg}=...): unknown primitive name {name!r}{hint}. Accepted "
+                    "are the names of jax.extend.core.primitives (e.g. 'exp', 'tanh', "
+                    "'dot_general'); pass a primitive object for one defined elsewhere."
+                )
         names.add(name)
     return frozenset(names)
 
@@ -350,6 +374,8 @@ def autocast(
     Raises:
       TypeError: if `fn` is not callable, or a primitive list holds something
         other than names or primitives.
+      ValueError: if a primitive list holds a name that is no JAX primitive's
+        (the message lists close matches).
 
     >>> import jax, jax.numpy as jnp
     >>> import jmp_policy as jmp

@@ -27,6 +27,7 @@ T = TypeVar("T")
 # Smallest normal float32: the dynamic scale never goes below it (no subnormals).
 _TINY = float(np.finfo(np.float32).tiny)
 _F32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def _is_inexact(x: Any) -> bool:
@@ -256,7 +257,7 @@ class DynamicLossScale(LossScale):
     Args:
       loss_scale: the initial scale (2**15 is a common choice).
       counter: finite steps in a row so far.
-      period: finite steps in a row before the scale grows (>= 1).
+      period: finite steps in a row before the scale grows (1 to 2**31 - 1).
       factor: growth and back-off factor (> 1).
       min_loss_scale: the scale never backs off below this.
       max_loss_scale: the scale never grows above this.
@@ -267,7 +268,7 @@ class DynamicLossScale(LossScale):
       TypeError: for a scale that is not a number, a counter that is not an
         integer scalar, or a hyperparameter given as a string or a bool.
       ValueError: for a non-positive, non-finite or non-scalar scale,
-        `period < 1`, `factor <= 1`, `hysteresis < 1`, a counter outside
+        `period` outside `[1, 2**31 - 1]`, `factor <= 1`, `hysteresis < 1`, a counter outside
         `[0, period)`, `overflows` outside `[0, hysteresis)` or without
         `hysteresis > 1`, or bounds that
         do not hold the scale.
@@ -301,8 +302,13 @@ class DynamicLossScale(LossScale):
         set_("loss_scale", _as_float32_scale(self.loss_scale, "loss_scale", True))
         set_("counter", _as_int32_scalar(self.counter, "counter"))
         period = _static_float(self.period, "period")
-        if not (math.isfinite(period) and period >= 1 and period == int(period)):
-            raise ValueError(f"period must be an integer >= 1, got {self.period!r}.")
+        # The counter is an int32 leaf: a longer period could never be reached
+        # and would overflow int32 in the first `adjust`.
+        if not (math.isfinite(period) and 1 <= period <= _INT32_MAX and period == int(period)):
+            raise ValueError(
+                f"period must be an integer in [1, {_INT32_MAX}] (the counter is int32), "
+                f"got {self.period!r}."
+            )
         set_("period", int(period))
         # A jax.Array counter (e.g. from an eager `adjust`) is not read back.
         if not isinstance(given_counter, jax.Array) and not 0 <= int(given_counter) < period:
@@ -411,17 +417,34 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     """Returns a boolean scalar: whether every floating value in the tree is finite.
 
     Args:
-      tree: a pytree of arrays (non-floating leaves are always finite).
+      tree: a pytree of arrays and numbers (integer and boolean leaves are
+        always finite).
       axis_name: inside `shard_map` or `pmap`, the mapped axis (or tuple of
         axes) to agree over: the result is then True on every device only if
         every device's values are finite.
+
+    Returns:
+      A boolean scalar array.
+
+    Raises:
+      TypeError: if a leaf of `tree` is not an array or a number (a string,
+        an object): it cannot be checked, and reading it as finite would let
+        a mistake through.
 
     >>> import jax.numpy as jnp
     >>> import jmp_policy as jmp
     >>> bool(jmp.all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
     False
     """
-    leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if _is_inexact(x)]
+    leaves_with_paths = jax.tree_util.tree_leaves_with_path(tree)
+    for path, x in leaves_with_paths:
+        if not _is_array_like(x) or isinstance(x, (str, bytes)):
+            where = f" at {jax.tree_util.keystr(path)}" if path else ""
+            raise TypeError(
+                f"all_finite: every leaf of tree must be an array or a number, got "
+                f"{x!r}{where} (a {type(x).__name__})."
+            )
+    leaves = [jnp.isfinite(x).all() for _, x in leaves_with_paths if _is_inexact(x)]
     finite = jnp.stack(leaves).all() if leaves else jnp.array(True)
     if axis_name is not None:
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)

@@ -14,11 +14,34 @@ from jmp_policy.core.loss_scale import LossScale, all_finite, select_tree
 class LossScaledState(NamedTuple):
     """State of `loss_scaled`.
 
+    Which counter counts what: every `update` call is one step; a skipped
+    (non-finite) step adds 1 to `total_notfinite` and leaves `inner_state`
+    bit for bit unchanged, so the inner optimizer's own step count (e.g.
+    `count` in `optax.adam`'s state) counts applied steps only, and a
+    schedule given to the inner optimizer does not advance on a skipped step.
+    A counter outside the optimizer that advances on every call (flax
+    `TrainState.step`, `nnx.Optimizer.step`) counts all steps: applied steps
+    are that counter minus `total_notfinite` (see the README's "Which counter
+    counts applied steps" for a `TrainState` kept at applied steps).
+
+    Both counters are int32 and saturate at 2**31 - 1 (as optax's
+    `safe_increment`), they do not wrap around.
+
     Attributes:
       loss_scale: the current `LossScale` (find it with `get_loss_scale`).
       inner_state: the wrapped transformation's state.
       notfinite_count: non-finite steps in a row (0 after a finite step).
-      total_notfinite: non-finite steps since `init`.
+      total_notfinite: non-finite (skipped) steps since `init`.
+
+    >>> import jax.numpy as jnp, optax
+    >>> import jmp_policy as jmp
+    >>> schedule = lambda count: -0.1  # any optax schedule reads the same count
+    >>> tx = jmp.loss_scaled(optax.scale_by_schedule(schedule), jmp.NoOpLossScale())
+    >>> state = tx.init({"w": jnp.ones(2)})
+    >>> for g in (1.0, jnp.nan, 1.0):  # the second step is skipped
+    ...     _, state = tx.update({"w": jnp.full(2, g)}, state)
+    >>> int(state.total_notfinite), int(state.inner_state.count)  # skipped, applied
+    (1, 2)
     """
 
     loss_scale: LossScale
@@ -41,7 +64,9 @@ def loss_scaled(
     schedules inside `inner` work on true gradients. On a non-finite step it
     returns zero updates and keeps `inner`'s state bit for bit (schedules do
     not advance); unlike `optax.apply_if_finite` it never gives up and applies
-    a non-finite update. Last, the loss scale is adjusted.
+    a non-finite update. Last, the loss scale is adjusted. The inner
+    optimizer's step count is thus the count of applied steps (see
+    `LossScaledState` for which counter counts what).
 
     With `NoOpLossScale` (bfloat16, float32) the wrapper adds only the
     finiteness check and the skip to the step.
@@ -59,7 +84,8 @@ def loss_scaled(
 
     Raises:
       TypeError: if `inner` is not an optax transformation or `loss_scale`
-        is not a `LossScale`.
+        is not a `LossScale`; from `update`, if its `state` is not a
+        `LossScaledState` (e.g. the inner optimizer's own state).
 
     References: Micikevicius et al., "Mixed Precision Training" (2018);
     PyTorch's `GradScaler.step`/`update`; Keras' `LossScaleOptimizer`.
@@ -96,6 +122,14 @@ def loss_scaled(
         )
 
     def update(grads, state, params=None, **extra_args):
+        if not isinstance(state, LossScaledState):
+            # A state from another optimizer (e.g. the inner one's `init`)
+            # would otherwise fail deep inside with an AttributeError.
+            raise TypeError(
+                "loss_scaled(...).update: state must be the LossScaledState returned by "
+                f"this transformation's init (or a previous update), got a "
+                f"{type(state).__name__}: {_short_repr(state)}."
+            )
         grads = state.loss_scale.unscale(grads)
         finite = all_finite(grads, axis_name=axis_name)
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
@@ -110,11 +144,24 @@ def loss_scaled(
         return updates, LossScaledState(
             loss_scale=state.loss_scale.adjust(finite),
             inner_state=inner_state,
-            notfinite_count=(state.notfinite_count + notfinite) * notfinite,
-            total_notfinite=state.total_notfinite + notfinite,
+            notfinite_count=_saturating_add(state.notfinite_count, notfinite) * notfinite,
+            total_notfinite=_saturating_add(state.total_notfinite, notfinite),
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _saturating_add(count: jax.Array, inc: jax.Array) -> jax.Array:
+    # Like optax.safe_increment: stays at int32's maximum instead of wrapping
+    # to -2**31 (after 2**31 - 1 skipped steps, e.g. a run stuck on NaNs).
+    # XLA's integer add wraps, so for inc >= 0 a wrapped sum is below `count`
+    # and the max keeps `count` (one op, no comparison against the limit).
+    return jax.lax.max(count, count + inc)
+
+
+def _short_repr(x: Any, limit: int = 120) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _as_dtype_of(new: Any, old: Any) -> Any:

@@ -177,7 +177,43 @@ def accumulating_product(
         return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
 
     f.defvjp(fwd, bwd)
-    return f(lhs, rhs)
+    try:
+        return f(lhs, rhs)
+    except TypeError as e:
+        # JAX's own message names neither this library nor a way out.
+        if "forward-mode" not in str(e) or "custom_vjp" not in str(e):
+            raise
+        raise TypeError(_JVP_UNSUPPORTED) from e
+
+
+_JVP_UNSUPPORTED = (
+    "Forward-mode differentiation (jax.jvp, jax.jacfwd) through "
+    "jmp_policy's float32-accumulating half matmuls (half_dot_general, "
+    "half_conv_general_dilated, and autocast, which uses them) is not supported: "
+    "their jax.custom_vjp defines reverse mode only. Use reverse mode (jax.grad, "
+    "jax.vjp, jax.jacrev), or for forward mode use plain lax.dot_general / "
+    "lax.conv_general_dilated with preferred_element_type=jnp.float32 (or autocast "
+    "with half_primitives=()). Forward over reverse (jax.hessian) works."
+)
+
+
+def _check_shapes(op: Callable, lhs: Any, rhs: Any, name: str) -> None:
+    """Runs `op`'s own shape checks on the operands' shapes, before the custom VJP.
+
+    Inside the custom VJP a mismatch surfaces as a reshape error of the
+    backward products; `lax` names the dimensions that do not fit.
+    """
+    try:
+        jax.eval_shape(
+            op,
+            jax.ShapeDtypeStruct(np.shape(lhs), lhs.dtype),
+            jax.ShapeDtypeStruct(np.shape(rhs), rhs.dtype),
+        )
+    except (TypeError, ValueError) as e:  # The class lax raises, with its words.
+        raise type(e)(
+            f"{name}: lhs of shape {tuple(np.shape(lhs))} and rhs of shape "
+            f"{tuple(np.shape(rhs))} do not fit: {e}"
+        ) from None
 
 
 def _half_compute_dtype(compute_dtype, lhs, rhs) -> np.dtype:
@@ -238,7 +274,13 @@ def half_dot_general(
       The product, in the dtype `lax.dot_general` would give.
 
     Raises:
-      TypeError: if `compute_dtype` is not a half dtype or None.
+      TypeError: if `compute_dtype` is not a half dtype or None; if the
+        operands' shapes do not fit `dimension_numbers` (naming the dimensions,
+        as `lax.dot_general` does); under forward-mode differentiation
+        (`jax.jvp`, `jax.jacfwd`), which the custom VJP does not support (with
+        `jax.jit` between `jax.jvp` and this call, JAX reports it when it
+        compiles, in its own words: "can't apply forward-mode autodiff (jvp)
+        to a custom_vjp function").
 
     >>> import jax, jax.numpy as jnp
     >>> from jmp_policy import half_dot_general
@@ -254,6 +296,10 @@ def half_dot_general(
         return lax.dot_general(lhs, rhs, dims, precision, preferred_element_type,
                                out_sharding=out_sharding)  # fmt: skip
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    _check_shapes(
+        lambda a, b: lax.dot_general(a, b, dims, precision, preferred_element_type),
+        lhs, rhs, "half_dot_general",
+    )  # fmt: skip
     out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
     compute = _half_compute_dtype(compute_dtype, lhs, rhs)
 
@@ -306,6 +352,10 @@ def half_conv_general_dilated(
     if not (is_float(lhs) and is_float(rhs)):
         return product(lhs, rhs, preferred_element_type)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    _check_shapes(
+        lambda a, b: product(a, b, preferred_element_type), lhs, rhs,
+        "half_conv_general_dilated",
+    )  # fmt: skip
     out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
     compute = _half_compute_dtype(compute_dtype, lhs, rhs)
     return accumulating_product(product, lhs, rhs, compute, out_dtype)

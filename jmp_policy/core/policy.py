@@ -53,17 +53,25 @@ _ACCEPTED_DTYPES = ", ".join([*_NAME_TO_DTYPE, "half"])
 _ACCEPTED_KEYS = ", ".join(_KEYS)
 
 
-def half_dtype() -> np.dtype:
-    """Returns the half precision dtype of the default backend.
+def half_dtype() -> type[Any]:
+    """Returns the half precision scalar type of the default backend.
 
-    bfloat16 on TPU, float16 elsewhere (as in jmp).
+    `jnp.bfloat16` on TPU, `jnp.float16` elsewhere: the scalar type, as jmp
+    returns it, so it can be called to build a value (`half_dtype()(2**15)`,
+    as in jmp's README) and used wherever a dtype is expected.
 
+    Returns:
+      `jnp.bfloat16` or `jnp.float16`.
+
+    >>> import jax.numpy as jnp
     >>> import jmp_policy as jmp
-    >>> str(jmp.half_dtype())  # on CPU and GPU
-    'float16'
+    >>> jmp.half_dtype() is jnp.float16  # on CPU and GPU
+    True
+    >>> jmp.half_dtype()(2**15).dtype
+    dtype('float16')
     """
     on_tpu = jax.local_devices()[0].platform == "tpu"
-    return np.dtype(jnp.bfloat16 if on_tpu else np.float16)
+    return jnp.bfloat16 if on_tpu else jnp.float16
 
 
 def _to_float_dtype(value: Any, field: str) -> np.dtype:
@@ -106,17 +114,25 @@ def _to_matmul_dtype(value: Any) -> np.dtype | None:
 
 
 def _is_float_array(x: Any) -> bool:
-    # Tracers are `jax.Array`s; PRNG keys, ints and bools are not floating.
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-        x.dtype, jnp.floating
-    )
+    # As jmp: jax arrays (tracers included) and numpy arrays. Numpy scalars
+    # (`np.float32(3.0)`) and Python floats are left alone, as jmp leaves them.
+    # PRNG keys, ints and bools are not floating.
+    return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _is_weak(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.typeof(x).weak_type
 
 
 def _cast_floating_to(tree: T, dtype: np.dtype) -> T:
     def cast(x):
-        if _is_float_array(x) and x.dtype != dtype:
-            return x.astype(dtype)
-        return x  # Already right (no convert op), or not a float array.
+        if not _is_float_array(x):
+            return x
+        if x.dtype == dtype and not _is_weak(x):
+            return x  # Already right: no convert op in the traced program.
+        # jmp's `astype`: a weakly typed leaf comes back strongly typed even in
+        # its own dtype, so `bf16_array * leaf` promotes as it does with jmp.
+        return x.astype(dtype)
 
     return jax.tree.map(cast, tree)
 
@@ -201,7 +217,7 @@ class Policy:
 
 def _parse_dtype(value: str) -> np.dtype:
     if value == "half":
-        return half_dtype()
+        return np.dtype(half_dtype())
     try:
         return _NAME_TO_DTYPE[value]
     except KeyError:
@@ -240,7 +256,9 @@ def get_policy(spec: str | Policy) -> Policy:
       The `Policy`.
 
     Raises:
-      ValueError: quoting the bad part, if the spec cannot be parsed.
+      ValueError: quoting the bad part, if the spec cannot be parsed or
+        gives a dtype twice (`"p=f32,params=bf16"`).
+      TypeError: if `spec` is neither a string nor a `Policy`.
 
     >>> import jmp_policy as jmp
     >>> str(jmp.get_policy("c=bf16"))
@@ -268,7 +286,8 @@ def get_policy(spec: str | Policy) -> Policy:
             )
         dtype = _parse_dtype(name)
         return Policy(dtype, dtype, dtype)
-    dtypes = {}
+    dtypes: dict[str, np.dtype] = {}
+    given: dict[str, str] = {}
     for part in text.split(","):
         key, sep, value = (s.strip() for s in part.partition("="))
         if not sep or "=" in value or not key or not value:
@@ -284,6 +303,14 @@ def get_policy(spec: str | Policy) -> Policy:
                 f"{_ACCEPTED_KEYS}."
             )
         field = _KEYS[key]
+        if field in given:
+            # jmp lets the last one win silently; one of the two is a mistake.
+            raise ValueError(
+                f"Duplicate key {key!r} in policy spec {spec!r}: {field} is already set by "
+                f"{given[field]!r}; give each of param (p/params), compute (c/compute), "
+                "output (o/output) and matmul (m/matmul) at most once."
+            )
+        given[field] = part.strip()
         parse = _parse_matmul_dtype if field == "matmul_dtype" else _parse_dtype
         dtypes[field] = parse(value)
     param = dtypes.get("param_dtype", np.dtype(np.float32))
@@ -299,4 +326,4 @@ def cast_to_full(tree: T) -> T:
 
 def cast_to_half(tree: T) -> T:
     """Casts the floating point arrays of a pytree to `half_dtype()`."""
-    return _cast_floating_to(tree, half_dtype())
+    return _cast_floating_to(tree, np.dtype(half_dtype()))

@@ -285,7 +285,7 @@ def with_policy(
             _SEEN.reset(seen_token)
         if entry is not None and "method" not in kwargs:
             # A whole-model call met every module: a pattern that matched none is a typo.
-            rule_set.check_all_matched(matched, paths)
+            rule_set.check_all_matched(matched, paths, fn.__self__)
         if entry == "init":
             return _params_to_param_dtype(result, policy) if cast_params else result
         if entry == "init_with_output":

@@ -95,7 +95,7 @@ def _module_policies(module: nnx.Module, rules: RuleSet, policy: Policy) -> dict
         if not named and isinstance(modules[path], _NORMS):
             best = _norm_policy(best)
         resolved[path] = best
-    rules.check_all_matched(matched, (_path_str(p) for p in modules if p))
+    rules.check_all_matched(matched, (_path_str(p) for p in modules), module)
     return resolved
 
 

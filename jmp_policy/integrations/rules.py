@@ -86,20 +86,28 @@ class RuleSet:
                 best, best_score = policy, score  # Ties: the rule listed first wins.
         return best, best_score is not None
 
-    def check_all_matched(self, matched: set[str], paths: Iterable[str]) -> None:
+    def check_all_matched(self, matched: set[str], paths: Iterable[str], root: object) -> None:
         """Raises if a path pattern matched none of the model's modules.
 
         Raises:
           ValueError: naming the pattern and some of the module paths.
         """
         unmatched = [k for k, _ in self.rules if isinstance(k, str) and k not in matched]
-        if unmatched:
-            shown = sorted(set(paths), key=lambda p: (p.count("/"), p))[:12]
-            raise ValueError(
-                f"rules path pattern {unmatched[0]!r} matches no module of the model; "
-                "patterns are fnmatch patterns over '/'-joined module paths, here "
-                f"{shown or '(the model has no submodules)'}."
-            )
+        if not unmatched:
+            return
+        shown = sorted({p for p in paths if p}, key=lambda p: (p.count("/"), p))[:12]
+        name = type(root).__name__
+        where = (
+            f"here {shown}"
+            if shown
+            # A leaf module (a Dense, an nnx.Linear) has no submodule a pattern could name.
+            else f"and this {name} has no submodules: give a class rule (e.g. "
+            f"{{{name}: policy}}) or change the policy itself"
+        )
+        raise ValueError(
+            f"rules path pattern {unmatched[0]!r} matches no module of the model; "
+            f"patterns are fnmatch patterns over '/'-joined module paths, {where}."
+        )
 
 
 def _specificity(key: type | str, module: object, path: str) -> tuple[int, int] | None:

@@ -81,7 +81,6 @@ from jmp_policy.core.diagnostics import saved_residuals
 import jmp_policy
 
 TARGET_RATIO = 0.55
-# The repository root (jmp_policy/app/benchmarks/ is three levels down).
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "transformer_lm.py"
 
 

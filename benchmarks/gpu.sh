@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The whole GPU measurement in one command, under 8 minutes, compile included:
+# the Transformer LM train step sized for an H100/H200
+# (jmp_policy/app/benchmarks/gpu_transformer.py) in every precision variant.
+#
+#   benchmarks/gpu.sh                                   # from anywhere; no installs
+#   OUT=/some/dir benchmarks/gpu.sh                     # log + JSON there (else ./results)
+#   JMP_POLICY_BENCH_SIZE=tiny benchmarks/gpu.sh        # seconds on a CPU: a smoke test
+#
+# It uses the JAX already installed (python3 on PATH, or $PYTHON) and this
+# source tree (PYTHONPATH=.). $JMP_POLICY_BENCH_BUDGET_S (default 400 for the
+# GPU size) is the benchmark's own wall-clock budget; the hard stop below
+# (475 s) only catches a hang.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+if command -v timeout >/dev/null; then
+    exec timeout --kill-after=5 475 "$PY" -m jmp_policy.app.benchmarks.gpu_transformer "$@"
+fi
+exec "$PY" -m jmp_policy.app.benchmarks.gpu_transformer "$@"

@@ -1,0 +1,62 @@
+"""Haiku's own mixed-precision tests, from the installed dm-haiku wheel, with
+`jmp` pointed at jmp_policy.
+
+Haiku's `hk.mixed_precision` is the largest user of jmp's API: its test file
+builds policies with `jmp.get_policy` and checks the dtypes Haiku modules
+create and return under them. Here the file is read from the wheel and run
+with `sys.modules["jmp"]` set to `jmp_policy` while it is imported, so the
+tests call jmp_policy wherever they call jmp; nothing of Haiku is copied into
+this repository.
+"""
+
+import importlib.resources
+import sys
+import types
+
+import jax
+import pytest
+
+import jmp_policy
+
+pytest.importorskip("haiku")
+pytest.importorskip("absl.testing.absltest")
+
+
+def _load_haiku_test(filename: str) -> types.ModuleType:
+    source = importlib.resources.files("haiku._src").joinpath(filename).read_text()
+    assert "\nimport jmp\n" in source, f"haiku's {filename} changed shape"
+    module = types.ModuleType(f"haiku_upstream_{filename[:-3]}")
+    saved = sys.modules.get("jmp")
+    sys.modules["jmp"] = jmp_policy  # only while the test module binds its `jmp`
+    try:
+        exec(compile(source, f"haiku/_src/{filename}", "exec"), module.__dict__)
+    finally:
+        if saved is None:
+            del sys.modules["jmp"]
+        else:
+            sys.modules["jmp"] = saved
+    assert module.jmp is jmp_policy
+    return module
+
+
+_mixed_precision_tests = _load_haiku_test("mixed_precision_test.py")
+
+HaikuMixedPrecisionTest = type(
+    "HaikuMixedPrecisionTest", (_mixed_precision_tests.MixedPrecisionTest,), {}
+)
+
+del _mixed_precision_tests
+
+
+def test_all_of_haikus_tests_are_collected():
+    """The wheel's test class still has the tests this file relies on (13 in 0.0.17)."""
+    names = [n for n in dir(HaikuMixedPrecisionTest) if n.startswith("test")]
+    assert len(names) >= 13, names
+
+
+@pytest.fixture(autouse=True)
+def _standard_promotion():
+    # Haiku's tests mix float16 and float32 as users do, under standard
+    # promotion; the rest of our suite runs under strict promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        yield
