@@ -169,7 +169,9 @@ def test_gpu_size_step_lowers_with_the_matmul_dtypes_each_variant_claims():
             operands = {t.rsplit("x", 1)[1] for d in dots for t in d[1:]}
             if v.name in float32_variants:
                 assert operands == {"f32>"}, (v.name, operands)
-            elif not v.needs_matmul_dtype:
+            elif not v.needs_matmul_dtype or "m=bf16" in v.policy:
                 assert operands == {"bf16>"}, (v.name, operands)
+            else:  # mixed_float8: e4m3 operands, the output gradients e5m2
+                assert operands == {"f8E4M3FN>", "f8E5M2>"}, (v.name, operands)
             highest = ["HIGHEST" in d[0] for d in dots]
             assert all(highest) if v.precision == "highest" else not any(highest), v.name

@@ -47,7 +47,11 @@ KEY_NAMES = {
 }
 ALL_KEY_NAMES = tuple(itertools.chain.from_iterable(KEY_NAMES.values()))
 FIELDS = tuple(KEY_NAMES)
-PRESETS = {"mixed_bfloat16": (F32, BF16, F32), "mixed_float16": (F32, F16, F32)}
+PRESETS = {
+    "mixed_bfloat16": (F32, BF16, F32),
+    "mixed_float16": (F32, F16, F32),
+    "mixed_float8": (F32, BF16, F32),  # and matmul_dtype float8_e4m3fn
+}
 
 # Other ways users spell each dtype; all must give the same policy.
 SPELLINGS = {
@@ -765,10 +769,15 @@ _KEY_TO_FIELD = {k: f for f, keys in KEY_NAMES.items() for k in keys}
 # on what white space is (both use Unicode's definition).
 _NAME_RE = "|".join(sorted(map(re.escape, _NAME_TO_DTYPE), key=len, reverse=True))
 _KEY_RE = "|".join(sorted(_KEY_TO_FIELD, key=len, reverse=True))
-_PART_RE = rf"\s*(?:{_KEY_RE})\s*=\s*(?:{_NAME_RE})\s*"
+# The matmul key (`m`/`matmul`) takes its own names.
+_MATMUL_NAMES = {"bf16", "bfloat16", "f16", "float16", "f8", "float8", "float8_e4m3fn", "half"}
+_MNAME_RE = "|".join(sorted(_MATMUL_NAMES, key=len, reverse=True))
+_PART_RE = (
+    rf"\s*(?:(?:{_KEY_RE})\s*=\s*(?:{_NAME_RE})|(?:matmul|m)\s*=\s*(?:{_MNAME_RE}))\s*"
+)
 _BARE = re.compile(rf"\s*({_NAME_RE}|{'|'.join(PRESETS)})\s*")
 _KEYED = re.compile(rf"{_PART_RE}(?:,{_PART_RE})*")
-_PAIR = re.compile(rf"({_KEY_RE})\s*=\s*({_NAME_RE})")
+_PAIR = re.compile(rf"({_KEY_RE}|matmul|m)\s*=\s*(\w+)")
 
 
 def _resolve(assigned: dict[str, np.dtype]) -> tuple[np.dtype, np.dtype, np.dtype]:
@@ -785,9 +794,10 @@ def reference_parse(spec: str):
     if _KEYED.fullmatch(spec):
         assigned = {}
         for key, name in _PAIR.findall(spec):
-            if _KEY_TO_FIELD[key] in assigned:
+            field = _KEY_TO_FIELD.get(key, "matmul_dtype")
+            if field in assigned:
                 return None  # A field given twice is an error.
-            assigned[_KEY_TO_FIELD[key]] = _NAME_TO_DTYPE[name]
+            assigned[field] = _NAME_TO_DTYPE.get(name)
         return _resolve(assigned)
     return None
 
@@ -863,7 +873,9 @@ def test_property_any_text_parses_as_reference_or_value_error(spec):
     with pytest.raises(ValueError) as info:
         get_policy(spec)
     found = words(str(info.value))
-    assert set(ALL_KEY_NAMES) <= found or set(ALL_DTYPE_NAMES) <= found, str(info.value)
+    assert (
+        set(ALL_KEY_NAMES) <= found or set(ALL_DTYPE_NAMES) <= found or _MATMUL_NAMES <= found
+    ), str(info.value)
 
 
 @_PROPS
