@@ -518,3 +518,11 @@ def test_transformer_m_bf16_trains_like_float32(lm, standard_promotion):
     m_bf16 = lm.train(M_BF16, None, STEPS, seed=0, evaluate=False)
     print(f"final loss: float32 {f32['final_loss']:.4f}, m=bf16 {m_bf16['final_loss']:.4f}")
     assert abs(m_bf16["final_loss"] - f32["final_loss"]) < LOSS_TOLERANCE
+
+
+def test_with_matmul_dtype():
+    policy = jmp.get_policy("mixed_bfloat16").with_matmul_dtype(jnp.float8_e4m3fn)
+    assert policy == jmp.get_policy("mixed_float8")
+    assert policy.with_matmul_dtype(None) == jmp.get_policy("mixed_bfloat16")
+    with pytest.raises(TypeError, match="matmul_dtype"):
+        policy.with_matmul_dtype(jnp.float32)

@@ -205,6 +205,15 @@ class Policy:
         """Returns a copy of this policy with another output dtype."""
         return dataclasses.replace(self, output_dtype=output_dtype)
 
+    def with_matmul_dtype(self, matmul_dtype: Any) -> Policy:
+        """Returns a copy of this policy with another matmul dtype (None: the compute dtype).
+
+        >>> import jmp_policy as jmp
+        >>> str(jmp.get_policy("mixed_bfloat16").with_matmul_dtype("f8"))
+        'p=full,c=bf16,o=full,m=f8'
+        """
+        return dataclasses.replace(self, matmul_dtype=matmul_dtype)
+
     def __str__(self) -> str:
         p, c, o = (
             _DTYPE_NAMES[d][0]
