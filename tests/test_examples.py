@@ -174,7 +174,7 @@ def test_every_train_step_matmul_is_half_and_the_accumulating_paths_give_float32
 
 
 def test_benchmark_mixed_float8_every_matmul_fp8(transformer_benchmark):
-    bench, status, _ = transformer_benchmark
+    bench, _, _ = transformer_benchmark
     line = next(x for x in bench.printed.splitlines() if x.startswith("mixed_float8: "))
     assert line == (
         "mixed_float8: 17 forward e4m3 x e4m3 dots, 34 backward dots with an e5m2 "

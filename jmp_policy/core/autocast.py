@@ -46,10 +46,16 @@ import jax
 import numpy as np
 
 from jmp_policy.core import jax_internals as ji
-from jmp_policy.core.matmul import F32 as _F32
 from jmp_policy.core.matmul import E4M3 as _E4M3
-from jmp_policy.core.matmul import accumulating_product, cast, is_float, product_of, widest
-from jmp_policy.core.matmul import fp8_product
+from jmp_policy.core.matmul import F32 as _F32
+from jmp_policy.core.matmul import (
+    accumulating_product,
+    cast,
+    fp8_product,
+    is_float,
+    product_of,
+    widest,
+)
 from jmp_policy.core.policy import Policy, get_policy
 
 # Matmuls and convolutions: half operands, float32 accumulation.
