@@ -62,7 +62,8 @@ import argparse
 import dataclasses
 import gc
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -198,7 +199,10 @@ def flax_dynamic_scale(problem: Problem) -> Variant:
         ds, is_fin, loss, grads = grad_fn(params, x, y)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(is_fin, a, b), new, old)
+
+        def keep(new, old):
+            return jax.tree.map(lambda a, b: jnp.where(is_fin, a, b), new, old)
+
         return (keep(new_params, params), keep(new_opt_state, opt_state), ds), loss
 
     return Variant("flax DynamicScale", init, step)
@@ -297,8 +301,8 @@ def time_interleaved(
     rough = (time.perf_counter() - t0) / (warmup_steps * len(steps))
     k = max(1, round(sample_s / rough))
 
-    wall = [[] for _ in variants]
-    cpu = [[] for _ in variants]
+    wall: list[list[float]] = [[] for _ in variants]
+    cpu: list[list[float]] = [[] for _ in variants]
     n = len(variants)
     gc.collect()
     gc.disable()

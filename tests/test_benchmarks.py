@@ -1,0 +1,105 @@
+"""The benchmarks shipped in `jmp_policy.app.benchmarks`, run as tests.
+
+`transformer --no-time`: the bytes saved for the backward pass of the
+Transformer's loss under `with_policy(mixed_bfloat16)` are at most its
+`TARGET_RATIO` (0.55) of float32's; every matmul of the whole lowered train
+step takes half operands in the half variants, and produces float32 in the
+float32-accumulating ones (`autocast`, `half_dot_general`). Its model is the
+example's: the same parameters and losses.
+"""
+
+import contextlib
+import importlib.util
+import io
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jmp_policy.app.benchmarks import _transformer_lm, transformer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _standard_promotion():
+    # optax.adam's bias correction (float ** int32) fails under the suite's
+    # strict promotion; the benchmarks, like user code, run under standard.
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def transformer_benchmark():
+    """`transformer --no-time`: its module and its table rows by variant."""
+    bench = transformer
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = bench.main(["--no-time"])
+    names = [v for v in (bench.REFERENCE, *bench.HALF_VARIANTS)]
+    rows = {}
+    for line in out.getvalue().splitlines():
+        for name in names:
+            rest = line.removeprefix(name)
+            if rest != line and rest[:1] == " " and "%" in rest:
+                dots, half, f32, nbytes, ratio = rest.split()
+                rows[name] = (int(dots), half, f32, int(nbytes.replace(",", "")), float(ratio))
+    assert list(rows) == names, out.getvalue()
+    return bench, status, rows
+
+
+def test_mixed_bfloat16_residual_bytes_at_most_target_of_float32(transformer_benchmark):
+    # The benchmark's own bytes, and its printed ratio, for with_policy(mixed_bfloat16).
+    bench, status, rows = transformer_benchmark
+    by_variant = bench.residual_bytes()
+    ratio = by_variant["with_policy"] / by_variant["float32"]
+    assert ratio <= bench.TARGET_RATIO, by_variant
+    assert rows["with_policy"][4] == round(ratio, 3)
+    assert rows["with_policy"][3] == by_variant["with_policy"]
+    assert status == 0
+
+
+def test_with_policy_saves_less_than_flax_dtype_by_hand(transformer_benchmark):
+    # Flax's hand-set bfloat16 keeps its LayerNorms' float32 copies; the
+    # policy rematerialises them.
+    _, _, rows = transformer_benchmark
+    assert rows["with_policy"][3] < rows["flax dtype=bf16"][3]
+
+
+def test_every_train_step_matmul_is_half_and_the_accumulating_paths_give_float32(
+    transformer_benchmark,
+):
+    # The example Transformer's whole jitted train step: 17 products forward
+    # (2 x (q, k, v, out, 2 einsums, 2 MLP) + head), 2 each backward.
+    _, _, rows = transformer_benchmark
+    assert rows["float32"][:3] == (51, "0%", "100%")
+    assert rows["flax dtype=bf16"][:3] == rows["with_policy"][:3] == (51, "100%", "0%")
+    assert rows["autocast"][:3] == rows["with_policy+f32acc"][:3] == (51, "100%", "100%")
+
+
+def test_the_benchmark_model_is_the_example_model():
+    # The benchmark carries its own copy of the example's model (a wheel has
+    # no examples/); with its extra fields left at None it is the same model:
+    # the same parameters and the same loss on the same batch.
+    path = ROOT / "examples" / "transformer_lm.py"
+    spec = importlib.util.spec_from_file_location("transformer_lm", path)
+    example = importlib.util.module_from_spec(spec)
+    sys.modules["transformer_lm"] = example  # linen modules are dataclasses: they look it up
+    spec.loader.exec_module(example)
+    batches, _, vocab_size = example.make_data(1)
+    ours_batches, _, ours_vocab = _transformer_lm.make_data(1)
+    np.testing.assert_array_equal(batches, ours_batches)
+    assert vocab_size == ours_vocab
+    theirs = example.init_params(example.make_model(vocab_size), "float32")
+    ours = _transformer_lm.init_params(_transformer_lm.make_model(vocab_size), "float32")
+    assert jax.tree.structure(theirs) == jax.tree.structure(ours)
+    for a, b in zip(jax.tree.leaves(theirs), jax.tree.leaves(ours)):
+        np.testing.assert_array_equal(a, b)
+    apply_theirs = example.make_model(vocab_size).apply
+    apply_ours = _transformer_lm.make_model(vocab_size).apply
+    np.testing.assert_array_equal(
+        example.loss_fn(apply_theirs, theirs, batches[0]),
+        _transformer_lm.loss_fn(apply_ours, ours, batches[0]),
+    )
