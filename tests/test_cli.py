@@ -240,3 +240,27 @@ def test_bench_unknown_name(capsys):
     err = capsys.readouterr().err
     assert_one_line_error(rc, err)
     assert "'nope'" in err and "transformer" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "missing", "extra"),
+    [
+        (["demo", "--quick"], "flax", "flax"),
+        (["bench", "--quick"], "jmp", "bench"),
+        (["demo", "--quick"], "sklearn", "demo"),
+    ],
+)
+def test_a_missing_extra_is_named_with_its_pip_command(argv, missing, extra, monkeypatch, capsys,
+                                                       no_training, tmp_path):
+    # A core-only install (`pip install jmp_policy`) has no Flax, no jmp, no scikit-learn.
+    find_spec = cli.importlib.util.find_spec
+    monkeypatch.setattr(
+        cli.importlib.util, "find_spec", lambda name: None if name == missing else find_spec(name)
+    )
+    monkeypatch.setattr(bench.subprocess, "call", lambda cmd: pytest.fail(f"ran {cmd}"))
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert_one_line_error(rc, err)
+    shown = {"sklearn": "scikit-learn"}.get(missing, missing)
+    assert f"needs {shown}: pip install 'jmp_policy[{extra}]'" in err

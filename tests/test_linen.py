@@ -387,7 +387,7 @@ def test_method_argument(method):
     assert jax.eval_shape(encode, variables, x).shape == (2, 4)
     assert jax.eval_shape(encode, variables, x).dtype == F32
     found = contractions(encode.lower(variables, x).as_text())
-    assert [c.result for c in found] == ["2x4xbf16"]  # The encoder's dot only.
+    assert [c.results for c in found] == [("2x4xbf16",)]  # The encoder's dot only.
 
 
 def test_embed_attend_through_method():
@@ -402,7 +402,7 @@ def test_embed_attend_through_method():
     attend = jax.jit(lambda v, q: apply(v, q, method=nn.Embed.attend))
     assert jax.eval_shape(attend, variables, query).dtype == F32
     found = contractions(attend.lower(variables, query).as_text())
-    assert [(c.lhs, c.rhs) for c in found] == [("2x16xbf16", "16x24xbf16")]
+    assert [c.operands for c in found] == [("2x16xbf16", "16x24xbf16")]
 
 
 def test_modules_whose_dtype_is_none_compute_in_compute_dtype():

@@ -58,7 +58,7 @@ def loss_fn(params, x, y):
 
 
 def scaled_train_step(tx, inject="loss"):
-    """The train step of design.md; `poison` (1 or inf) injects an overflow."""
+    """The README's train step; `poison` (1 or inf) injects an overflow."""
 
     @jax.jit
     def step(params, opt_state, x, y, poison):

@@ -170,7 +170,7 @@ def inject_into_grads(grads, kind, leaf, element):
 
 
 def scaled_training_run(tx, compute_dtype):
-    """The design.md train step with faults injected, scanned; checks every step."""
+    """The README's train step with faults injected, scanned; checks every step."""
 
     @jax.jit
     def run(params, opt_state, xs, ys, kinds, leaves, elements):

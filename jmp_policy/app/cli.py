@@ -20,6 +20,7 @@ from typing import NoReturn
 PROG = "jmp-policy"
 _DEMO_EXTRA = ("sklearn", "matplotlib", "tqdm")
 _FLAX_EXTRA = ("flax",)  # every command trains a Flax model
+_BENCH_EXTRA = ("jmp",)  # DeepMind's jmp, a baseline
 
 
 class _UsageError(Exception):
@@ -217,6 +218,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
 def _run_bench(args: argparse.Namespace) -> int:
     from jmp_policy.app import bench
 
+    _check_installed(_BENCH_EXTRA, "bench", "bench")
     names = bench.benchmark_names()
     unknown = sorted(set(args.only or ()) - set(names))
     if unknown:
