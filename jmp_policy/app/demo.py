@@ -415,8 +415,12 @@ def _verdict(results: list[RunResult]) -> list[str]:
     lines = []
     close = all(abs(points(r)) <= 1.0 for r in (bf16, scaled))
     lines.append(
-        ("As Micikevicius et al. (2018) found, mixed precision with loss scaling matches float32: "
-         if close else "Mixed precision did NOT match float32 within 1 point here: ")
+        (
+            "As Micikevicius et al. (2018) found, mixed precision with loss scaling "
+            "matches float32: "
+            if close
+            else "Mixed precision did NOT match float32 within 1 point here: "
+        )
         + f"mixed_bfloat16 {points(bf16):+.1f} points, mixed_float16 + scaling "
         f"{points(scaled):+.1f} points of test accuracy."
     )
