@@ -26,7 +26,6 @@ import functools
 import inspect
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -53,29 +52,16 @@ class Block(nn.Module):
 
     num_heads: int
     mlp_ratio: int = 4
-    # Both only for variants of benchmarks/transformer.py: `dtype` for Flax's
-    # hand-written bfloat16, `dot_general` for `jmp_policy.half_dot_general`.
-    dtype: Any = None
-    dot_general: Any = None
 
     @nn.compact
     def __call__(self, x, mask):
         width = x.shape[-1]
-        dense = functools.partial(nn.Dense, dtype=self.dtype, dot_general=self.dot_general)
-        h = nn.LayerNorm(dtype=self.dtype)(x)
-        h = nn.MultiHeadDotProductAttention(
-            num_heads=self.num_heads,
-            dtype=self.dtype,
-            qkv_dot_general=self.dot_general,
-            out_dot_general=self.dot_general,
-            attention_fn=functools.partial(
-                nn.dot_product_attention, einsum_dot_general=self.dot_general
-            ),
-        )(h, mask=mask)
+        h = nn.LayerNorm()(x)
+        h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads)(h, mask=mask)
         x = x + h
-        h = nn.LayerNorm(dtype=self.dtype)(x)
-        h = nn.gelu(dense(self.mlp_ratio * width)(h))
-        return x + dense(width)(h)
+        h = nn.LayerNorm()(x)
+        h = nn.gelu(nn.Dense(self.mlp_ratio * width)(h))
+        return x + nn.Dense(width)(h)
 
 
 class TransformerLM(nn.Module):
@@ -86,20 +72,17 @@ class TransformerLM(nn.Module):
     depth: int = 2
     num_heads: int = 4
     max_len: int = SEQ_LEN
-    dtype: Any = None  # left None in the example: `with_policy` decides
-    dot_general: Any = None
 
     @nn.compact
     def __call__(self, tokens):
         positions = jnp.arange(tokens.shape[-1])
-        x = nn.Embed(self.vocab_size, self.width, dtype=self.dtype, name="tok_embed")(tokens)
-        x = x + nn.Embed(self.max_len, self.width, dtype=self.dtype, name="pos_embed")(positions)
+        x = nn.Embed(self.vocab_size, self.width, name="tok_embed")(tokens)
+        x = x + nn.Embed(self.max_len, self.width, name="pos_embed")(positions)
         mask = nn.make_causal_mask(tokens)
         for _ in range(self.depth):
-            x = Block(self.num_heads, dtype=self.dtype, dot_general=self.dot_general)(x, mask)
-        x = nn.LayerNorm(dtype=self.dtype)(x)
-        head = nn.Dense(self.vocab_size, dtype=self.dtype, dot_general=self.dot_general, name="head")
-        return head(x)
+            x = Block(self.num_heads)(x, mask)
+        x = nn.LayerNorm()(x)
+        return nn.Dense(self.vocab_size, name="head")(x)
 
 
 # ---------------------------------------------------------------------------- data
@@ -164,8 +147,8 @@ def make_train_step(model: nn.Module, policy, tx: optax.GradientTransformation):
     return train_step
 
 
-def make_model(vocab_size: int, **kwargs) -> TransformerLM:
-    return TransformerLM(vocab_size=vocab_size, **kwargs)
+def make_model(vocab_size: int) -> TransformerLM:
+    return TransformerLM(vocab_size=vocab_size)
 
 
 def init_params(model: TransformerLM, policy, seed: int = 0):

@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -69,7 +70,7 @@ def _should_remat(module: nn.Module, method_name: str, policy: Policy) -> bool:
     )
 
 
-def _make_interceptor(rules, remat_norms: bool) -> Callable:
+def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
     def interceptor(next_fun, args, kwargs, context):
         # `setup` included: parameters created there (nn.Embed's) must take the
         # module's param dtype, also where a rule changes it.
@@ -217,7 +218,9 @@ def with_policy(
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         token = _ACTIVE_POLICY.set(policy)
-        seen_token = _SEEN.set((paths := set(), matched := set()))
+        paths: set[str] = set()
+        matched: set[str] = set()
+        seen_token = _SEEN.set((paths, matched))
         try:
             with nn.intercept_methods(interceptor):
                 if entry is None:
@@ -249,7 +252,7 @@ def with_policy(
     return wrapped
 
 
-def _params_to_param_dtype(variables, policy: Policy):
+def _params_to_param_dtype(variables: Any, policy: Policy) -> Any:
     # Modules without a `param_dtype` attribute create float32 parameters.
     if "params" not in variables:
         return variables
