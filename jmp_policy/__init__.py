@@ -3,6 +3,8 @@
 A superset of DeepMind's jmp: `import jmp_policy as jmp` runs jmp code.
 """
 
+from jmp_policy.core.half_params import HalfParamState
+from jmp_policy.core.half_params import half_param_updates
 from jmp_policy.diagnostics import GradientReport
 from jmp_policy.diagnostics import diagnose
 from jmp_policy.diagnostics import plot_histogram
@@ -37,6 +39,7 @@ __all__ = (
     "FLOAT32_PRIMITIVES",
     "GradientReport",
     "HALF_PRIMITIVES",
+    "HalfParamState",
     "LossScale",
     "LossScaledState",
     "NoOpLossScale",
@@ -53,6 +56,7 @@ __all__ = (
     "half_conv_general_dilated",
     "half_dot_general",
     "half_dtype",
+    "half_param_updates",
     "loss_scaled",
     "plot_histogram",
     "select_tree",

@@ -1,0 +1,1 @@
+"""The core: jax, numpy and optax only."""
