@@ -13,10 +13,15 @@ parameters, give the rounding of a float32 accumulation instead:
   twice the dtype's significant bits: 16 for bfloat16, 22 for float16.
 * "stochastic": the float32 result is rounded up or down at random with the
   probabilities that make it unbiased (as in torchao's bfloat16 optimizers;
-  Zamirai et al., "Revisiting BFloat16 Training", 2020). No buffer, one PRNG
-  key.
+  Zamirai et al., "Revisiting BFloat16 Training", 2020). No buffer.
 
-Float32 (and any non-half) parameters pass through untouched, with no state.
+The wrapped optimizer computes in float32 for half parameters, and its
+half-precision state (Adam's moments, which optax keeps in the parameters'
+dtype) is stored stochastically rounded, with both methods: a moving average
+whose per-step change is below half an ulp (Adam's second moment moves by
+0.1% a step at b2 = 0.999, bfloat16 resolves 0.4%) still moves on average,
+where rounding to nearest would freeze it. Float32 (and any non-half)
+parameters pass through untouched, with no state.
 """
 
 from __future__ import annotations
@@ -41,6 +46,13 @@ def _is_masked(x: Any) -> bool:
     return isinstance(x, optax.MaskedNode)
 
 
+# All rounding below is done on float32 values with explicit operations
+# (`lax.reduce_precision`, integer floors), never by a float32 -> half -> float32
+# round trip: XLA may drop such a pair of converts inside a fusion
+# (`xla_allow_excess_precision`, on by default), and the wrapper must know
+# bit for bit where each half update lands.
+
+
 def _saturate(x: jax.Array, dtype: Any) -> jax.Array:
     """Clips float32 `x` to `dtype`'s finite range, so rounding cannot overflow
     to infinity (float16's range ends at 65504); NaN stays NaN."""
@@ -48,20 +60,53 @@ def _saturate(x: jax.Array, dtype: Any) -> jax.Array:
     return jnp.clip(x, -big, big)
 
 
-def _step_to(p: jax.Array, new_p: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The half-precision update from `p` to `new_p`, and where it lands.
+def _round_nearest(x: jax.Array, dtype: Any) -> jax.Array:
+    """Float32 `x` rounded to the nearest `dtype` value (ties to even), kept in
+    float32. `x` must be within `dtype`'s finite range."""
+    info = jnp.finfo(dtype)
+    rounded = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    if np.dtype(dtype) == np.dtype(jnp.float16):
+        # reduce_precision flushes float16's subnormals (below 2**-14) to zero;
+        # there the grid is uniform, steps of 2**-24: round on it directly.
+        tiny = float(info.smallest_normal)
+        sub = float(info.smallest_subnormal)
+        rounded = jnp.where(jnp.abs(x) < tiny, jnp.round(x / sub) * sub, rounded)
+    return rounded
 
-    `optax.apply_updates` computes `p + u` in the parameters' dtype. The
-    difference of two half values is exact in float32 and, whenever `new_p` is
-    within a factor 2 of `p` (Sterbenz), also in the half dtype, so `p + u`
-    is exactly `new_p`. Otherwise (a weight collapsing towards or crossing
-    zero in one step) `u` may round, and the landing point is off by at most
-    half an ulp of `u`: it is computed here with the very same operation as
-    optax, so the caller knows it bit for bit.
+
+def _spacing(x: jax.Array, dtype: Any) -> jax.Array:
+    """The distance between neighbouring `dtype` values in float32 `x`'s binade:
+    |x| in [2**(e-1), 2**e) holds 2**nmant of them (uniform below the
+    smallest normal)."""
+    info = jnp.finfo(dtype)
+    _, e = jnp.frexp(x)
+    spacing = jnp.ldexp(jnp.ones_like(x), e - 1 - info.nmant)
+    return jnp.maximum(spacing, float(info.smallest_subnormal))
+
+
+def _step_to(p: jax.Array, new32: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The half-precision update from `p` to the half value `new32` (held in
+    float32), and where `optax.apply_updates` makes it land (float32).
+
+    `apply_updates` computes `p + u` in the parameters' dtype: the exact sum,
+    rounded. The difference of two half values is exact in float32 and,
+    whenever `new32` is within a factor 2 of `p` (Sterbenz), also in the half
+    dtype, so `p + u` is exactly `new32`. Otherwise (a weight collapsing
+    towards or crossing zero in one step) `u` is rounded, and the landing
+    point, computed here as `apply_updates` computes it, is off by at most
+    half an ulp of `u`.
     """
-    diff = new_p.astype(jnp.float32) - p.astype(jnp.float32)
-    u = _saturate(diff, p.dtype).astype(p.dtype)
-    return u, (p + u).astype(p.dtype)
+    info = jnp.finfo(p.dtype)
+    p32 = p.astype(jnp.float32)
+    u32 = _round_nearest(_saturate(new32 - p32, p.dtype), p.dtype)
+    # A rounded-up `u` could carry `p + u` past the largest finite value
+    # (float16: to 65520 and beyond, which rounds to infinity): one step
+    # less, towards zero, stays inside.
+    overflow = float(info.max) + 0.5 * 2.0 ** (info.maxexp - 1 - info.nmant)
+    over = jnp.abs(p32 + u32) >= overflow
+    u32 = jnp.where(over, u32 - jnp.sign(u32) * _spacing(u32, p.dtype), u32)
+    landed = _round_nearest(_saturate(p32 + u32, p.dtype), p.dtype)
+    return u32.astype(p.dtype), landed
 
 
 def _kahan_leaf(comp: Any, p: Any, u: Any) -> tuple[Any, Any]:
@@ -70,32 +115,27 @@ def _kahan_leaf(comp: Any, p: Any, u: Any) -> tuple[Any, Any]:
     # The float32 accumulation the half weight and its buffer stand for. The
     # two small terms first: their sum is exact more often.
     target = p.astype(jnp.float32) + (comp.astype(jnp.float32) + u.astype(jnp.float32))
-    nearest = _saturate(target, p.dtype).astype(p.dtype)
-    step, landed = _step_to(p, nearest)
+    step, landed = _step_to(p, _round_nearest(_saturate(target, p.dtype), p.dtype))
     # What rounding (and, rarely, an inexact step) left out, carried forward.
-    new_comp = _saturate(target - landed.astype(jnp.float32), p.dtype).astype(p.dtype)
-    return step, new_comp
+    new_comp = _round_nearest(_saturate(target - landed, p.dtype), p.dtype)
+    return step, new_comp.astype(p.dtype)
 
 
 def _stochastic_round(target: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     """Rounds float32 `target` to one of its two neighbours in `dtype`, up
-    with probability (target - down) / (up - down): unbiased."""
+    with probability (target - down) / (up - down): unbiased. Float32 out."""
     target = _saturate(target, dtype)
-    nearest = target.astype(dtype)
-    near32 = nearest.astype(jnp.float32)
-    away = jnp.where(near32 < target, jnp.inf, -jnp.inf).astype(dtype)
-    other = jnp.nextafter(nearest, away)
-    down = jnp.minimum(nearest, other)
-    up = jnp.maximum(nearest, other)
-    down32, up32 = down.astype(jnp.float32), up.astype(jnp.float32)
-    span = up32 - down32
-    # Exact in float32: both are half values, target lies between them.
-    prob_up = (target - down32) / jnp.where(span > 0, span, 1.0)
+    spacing = _spacing(target, dtype)
+    # All exact in float32: a multiple of a power of two, and a difference
+    # within one binade.
+    down = jnp.floor(target / spacing) * spacing
+    prob_up = (target - down) / spacing
     draw = jax.random.uniform(key, target.shape, jnp.float32)
-    rounded = jnp.where(draw < prob_up, up, down)
-    # Already representable (or NaN, or a zero-width span): no coin to toss.
-    exact = (near32 == target) | ~(span > 0) | ~jnp.isfinite(span)
-    return jnp.where(exact, nearest, rounded)
+    rounded = jnp.where(draw < prob_up, down + spacing, down)
+    # Non-finite (NaN passes), or a spacing flushed to zero (bfloat16 values
+    # below 2**-126, on hardware without float32 subnormals): to nearest.
+    usable = jnp.isfinite(target) & (spacing > 0)
+    return jnp.where(usable, rounded, _round_nearest(target, dtype))
 
 
 def _stochastic_leaf(p: Any, u: Any, key: jax.Array) -> Any:
@@ -117,7 +157,7 @@ def _store_like(new: Any, old: Any, key: jax.Array) -> Any:
     out = []
     for i, (n, o) in enumerate(zip(new_leaves, old_leaves)):
         if _is_half(o):
-            n = _stochastic_round(n.astype(jnp.float32), o.dtype, keys[i])
+            n = _stochastic_round(n.astype(jnp.float32), o.dtype, keys[i]).astype(o.dtype)
         elif hasattr(n, "dtype") and hasattr(o, "dtype") and n.dtype != o.dtype:
             n = n.astype(o.dtype)
         out.append(n)
@@ -133,9 +173,10 @@ class HalfParamState(NamedTuple):
         in the parameter's dtype for each half-precision leaf (what rounding
         lost, still to be applied), an `optax.MaskedNode` (no memory) for the
         others. For "stochastic", a single `optax.MaskedNode`.
-      key: for "stochastic", the raw PRNG key data (uint32, from
-        `jax.random.key_data`), split once per step; for "kahan", an
-        `optax.MaskedNode`.
+      key: the raw PRNG key data (uint32[2], from `jax.random.key_data`: it
+        checkpoints as a plain array), split once per step for the
+        stochastic rounding of the half inner state (and, for "stochastic",
+        of the parameters).
     """
 
     inner_state: Any
@@ -165,20 +206,22 @@ def half_param_updates(
       the buffer's rounding error (a few percent). Extra memory: one half
       value per half parameter.
     * "stochastic" rounds up or down at random, so the expected parameter is
-      the float32 result: small updates are applied on average. Extra
-      memory: one PRNG key.
+      the float32 result: small updates are applied on average. No extra
+      memory.
 
-    Float32 and other non-half parameters get `inner`'s updates untouched,
-    with no state and no extra work. The update landing exactly needs the new
+    `inner` sees float32 gradients, parameters and state for half
+    parameters; its half-precision state leaves are stored back
+    stochastically rounded (unbiased), so Adam's moments can stay in
+    bfloat16. Float32 and other non-half parameters get `inner`'s updates
+    untouched, with no buffer and no extra work. The update landing exactly needs the new
     value within a factor 2 of the old (true of any ordinary step); a weight
     collapsing towards or across zero in one step may land up to half an ulp
     of the step off (for "kahan", the buffer takes up the difference).
     Values beyond the half dtype's range saturate at its largest finite
     value instead of overflowing (float16: 65504).
 
-    The inner state keeps the dtypes `inner.init` gave it (optax computes
-    moments of half parameters with float32 gradients in float32). With a
-    loss scale, wrap this transformation in `loss_scaled`, not the other way
+    The inner state keeps the dtypes `inner.init` gave it. With a loss
+    scale, wrap this transformation in `loss_scaled`, not the other way
     round: a skipped step then leaves the buffer and the key bit-for-bit
     unchanged.
 
@@ -186,20 +229,24 @@ def half_param_updates(
     optimizer state; float32 master weights with float32 moments: 12 for
     Adam):
 
-    * Adam/AdamW: `half_param_updates(optax.adamw(lr))` keeps both moments
-      in the parameters' dtype: 2 + 2 (buffer) + 4 = 8 bytes.
+    * Adam/AdamW: `half_param_updates(optax.adamw(lr))`; optax keeps both
+      moments in the parameters' dtype: 2 + 2 (buffer) + 2 + 2 = 8 bytes.
+      (`mu_dtype` matters for float32 parameters only.)
     * SGD with momentum: `optax.sgd(lr, momentum=0.9)`: 2 + 2 + 2 = 6 bytes.
     * Lion: `optax.lion(lr)`: 2 + 2 + 2 = 6 bytes.
-    * Adafactor: factored second moments (a row and a column per matrix):
-      about 4 bytes, plus `dtype_momentum` if `momentum` is set.
+    * Adafactor: `optax.adafactor(lr)`: 2 + 2 plus its factored second
+      moments, a float32 row and column per matrix of at least 128 x 128
+      (close to 0 bytes per parameter), or a full float32 one for smaller
+      leaves; `momentum` adds a float32 first moment unless
+      `dtype_momentum=jnp.bfloat16`.
     With "stochastic", subtract the 2 bytes of the buffer.
 
     Args:
       inner: the optimizer whose updates to apply, e.g. `optax.adamw(1e-4)`.
       method: "kahan" (deterministic, one half buffer per half parameter) or
         "stochastic" (random, no buffer).
-      seed: for "stochastic", seeds the PRNG key (a non-negative integer);
-        ignored by "kahan".
+      seed: seeds the PRNG key of the stochastic rounding (a non-negative
+        integer).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
