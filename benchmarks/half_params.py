@@ -142,17 +142,14 @@ def memory_table(example) -> dict[str, float]:
 
 def learning_table(example, steps: int, seed: int) -> dict[str, dict[str, float]]:
     print(
-        f"\n2. examples/transformer_lm.py, Adam at learning rate {LEARNING_RATE:g}, "
-        f"{steps} steps"
+        f"\n2. examples/transformer_lm.py, Adam at learning rate {LEARNING_RATE:g}, {steps} steps"
     )
     header = f"{'run':<18}{'train loss':>11}{'eval loss':>11}{'vs ' + REFERENCE:>20}{'time':>8}"
     print(header)
     print("-" * len(header))
     final, evals = {}, {}
     for name, spec, method in RUNS:
-        r = example.train(
-            spec, None, steps, seed, learning_rate=LEARNING_RATE, half_params=method
-        )
+        r = example.train(spec, None, steps, seed, learning_rate=LEARNING_RATE, half_params=method)
         final[name], evals[name] = r["final_loss"], r["eval_loss"]
         diff = r["final_loss"] - final[REFERENCE]
         print(
@@ -192,8 +189,10 @@ def main(argv: Sequence[str] | None = None) -> tuple[int, dict]:
         ),
         (f"plain bf16 at least {PLAIN_GAP} worse", losses["bf16"] - ref >= PLAIN_GAP),
         (
-            f"Adam + kahan {kahan_bytes:.2f} <= {KAHAN_ADAM_BYTES:g} bytes/param "
-            f"(float32 master weights: {nbytes['Adam, float32 master weights']:.2f})",
+            (
+                f"Adam + kahan {kahan_bytes:.2f} <= {KAHAN_ADAM_BYTES:g} bytes/param "
+                f"(float32 master weights: {nbytes['Adam, float32 master weights']:.2f})"
+            ),
             kahan_bytes <= KAHAN_ADAM_BYTES,
         ),
     ]

@@ -295,7 +295,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     results = {}
     configs = [(name, spec, scale, None) for name, spec, scale in CONFIGS]
     if args.half_params is not None:
-        configs += [("bf16", "bf16", None, None), (f"bf16+{args.half_params}", "bf16", None, args.half_params)]
+        configs += [
+            ("bf16", "bf16", None, None),
+            (f"bf16+{args.half_params}", "bf16", None, args.half_params),
+        ]
     for name, spec, scale, method in configs:
         r = train(
             spec,

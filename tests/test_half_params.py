@@ -100,8 +100,12 @@ def neighbours(target32, half):
     """The largest half value <= target and the smallest >= target."""
     n = target32.astype(half)
     with np.errstate(over="ignore"):  # nextafter(65504, inf) is inf: not picked then
-        down = np.where(n.astype(np.float32) <= target32, n, np.nextafter(n, np.asarray(-np.inf, half)))
-        up = np.where(n.astype(np.float32) >= target32, n, np.nextafter(n, np.asarray(np.inf, half)))
+        down = np.where(
+            n.astype(np.float32) <= target32, n, np.nextafter(n, np.asarray(-np.inf, half))
+        )
+        up = np.where(
+            n.astype(np.float32) >= target32, n, np.nextafter(n, np.asarray(np.inf, half))
+        )
     return down.astype(np.float64), up.astype(np.float64)
 
 
@@ -220,7 +224,8 @@ DRAWS = 65_536
 
 
 @pytest.mark.parametrize(
-    "dtype, start, update", [(BF16, 1.0, 1e-3), (BF16, -3.0, 2e-3), (F16, 1.0, 1e-4), (F16, 1e-6, 1e-8)]
+    "dtype, start, update",
+    [(BF16, 1.0, 1e-3), (BF16, -3.0, 2e-3), (F16, 1.0, 1e-4), (F16, 1e-6, 1e-8)],
 )
 def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(dtype, start, update):
     params = {"w": jnp.full(DRAWS, start, dtype)}  # 65,536 independent draws
@@ -262,6 +267,7 @@ def test_half_adam_moments_decay_stochastically_where_nearest_rounding_freezes()
     # nu = 0.999 nu (+ 0.001 g**2, g = 0): 0.1% per step, below bfloat16's
     # half ulp (0.2% to 0.4%): rounded to nearest it never moves.
     params = {"w": jnp.ones(4096, BF16)}
+
     def grads(i, p):  # 1 on the first step, then 0
         return jax.tree.map(lambda x: jnp.where(i == 0, jnp.ones_like(x), jnp.zeros_like(x)), p)
 
@@ -270,7 +276,9 @@ def test_half_adam_moments_decay_stochastically_where_nearest_rounding_freezes()
         wrapped = run(jmp.half_param_updates(optax.adam(1e-4)), params, 500, grads)[1]
     expected = 0.001 * 0.999**499
     assert plain[0].nu["w"].dtype == wrapped.inner_state[0].nu["w"].dtype == BF16
-    assert (np.asarray(plain[0].nu["w"], np.float64) == np.float64(np.asarray(BF16(0.001), np.float64))).all()
+    assert (
+        np.asarray(plain[0].nu["w"], np.float64) == np.float64(np.asarray(BF16(0.001), np.float64))
+    ).all()
     mean = np.asarray(wrapped.inner_state[0].nu["w"], np.float64).mean()
     assert mean == pytest.approx(expected, rel=0.02)
 
@@ -302,7 +310,7 @@ def test_float32_leaves_get_inner_updates_bit_for_bit_and_no_buffer(method):
 
 def test_all_float32_params_follow_inner_exactly():
     params = {"w": jnp.linspace(-1, 1, 16, dtype=F32)}
-    grads_fn = lambda i, p: {"w": jnp.sin(p["w"] * (i.astype(F32) + 1.0))}  # noqa: E731
+    grads_fn = lambda i, p: {"w": jnp.sin(p["w"] * (i.astype(F32) + 1.0))}
     inner = optax.sgd(0.01, momentum=0.9)
     a = run(inner, params, 20, grads_fn)[0]
     b = run(jmp.half_param_updates(inner), params, 20, grads_fn)[0]
@@ -343,9 +351,13 @@ def test_skipped_steps_under_loss_scaled_leave_params_buffer_key_unchanged(metho
         new_params, new_state = step(params, state, poison)
         inner_old, inner_new = state.inner_state, new_state.inner_state
         if i in FAULTS:
-            for a, b in zip(jax.tree.leaves((params, inner_old)), jax.tree.leaves((new_params, inner_new))):
+            for a, b in zip(
+                jax.tree.leaves((params, inner_old)), jax.tree.leaves((new_params, inner_new))
+            ):
                 assert_bits_equal(a, b)
-            assert float(jmp.get_loss_scale(new_state).loss_scale) < float(jmp.get_loss_scale(state).loss_scale)
+            assert float(jmp.get_loss_scale(new_state).loss_scale) < float(
+                jmp.get_loss_scale(state).loss_scale
+            )
         else:
             assert not np.array_equal(inner_old.key, inner_new.key)
             assert not np.array_equal(params["w"], new_params["w"])
@@ -363,7 +375,7 @@ def test_skipped_steps_under_loss_scaled_leave_params_buffer_key_unchanged(metho
 
 def test_composes_with_chain_schedule_and_multisteps():
     params = {"w": jnp.ones(8, BF16)}
-    grads_fn = lambda i, p: {"w": -jnp.ones_like(p["w"])}  # noqa: E731
+    grads_fn = lambda i, p: {"w": -jnp.ones_like(p["w"])}
     inner = optax.chain(
         optax.clip_by_global_norm(10.0), optax.sgd(optax.linear_schedule(1e-4, 0.0, 100))
     )
@@ -376,7 +388,9 @@ def test_composes_with_chain_schedule_and_multisteps():
     multi = optax.MultiSteps(jmp.half_param_updates(optax.sgd(1e-4)), every_k_schedule=4)
     with jax.numpy_dtype_promotion("standard"):  # MultiSteps' own averaging mixes dtypes
         new, state = run(multi, params, 40, grads_fn)
-    total = np.asarray(new["w"], np.float64) + np.asarray(state.inner_opt_state.compensation["w"], np.float64)
+    total = np.asarray(new["w"], np.float64) + np.asarray(
+        state.inner_opt_state.compensation["w"], np.float64
+    )
     np.testing.assert_allclose(total, 1 + 10 * 1e-4, rtol=1e-3)
 
 
@@ -412,7 +426,11 @@ def sgd_tx(method):
 def test_sharded_over_8_devices_matches_one_device_bit_for_bit(method):
     assert jax.device_count() == 8
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
-    specs = {"w1": PartitionSpec("x", "y"), "w2": PartitionSpec("y", "x"), "scale": PartitionSpec("y")}
+    specs = {
+        "w1": PartitionSpec("x", "y"),
+        "w2": PartitionSpec("y", "x"),
+        "scale": PartitionSpec("y"),
+    }
     params = mlp_params()
     sharded = jax.tree.map(lambda p, s: jax.device_put(p, NamedSharding(mesh, s)), params, specs)
     tx = sgd_tx(method)

@@ -201,24 +201,30 @@ def half_param_updates(
       that joins the next update. An update far below half an ulp of its
       weight adds up in the buffer until it moves the weight, so a bfloat16
       weight follows the float32 sum to about 16 significant bits (22 for
-      float16). Below that the buffer rounds too: an update under about
-      2**-16 of its weight (bfloat16) is lost, one near it is applied with
-      the buffer's rounding error (a few percent). Extra memory: one half
-      value per half parameter.
+      float16). The buffer rounds too: it grows to half an ulp of the weight
+      (2**-9 of it, bfloat16), where its own ulp is 2**-16 of the weight, so
+      an update near 2**-16 of its weight is applied with the buffer's
+      rounding error (1,000 updates of 1e-4 onto 1.0 add 0.1028, not 0.1),
+      and one below 2**-17 of it is lost once the buffer has grown (2**-18
+      onto 1.0 stops adding at 2**-10). Extra memory: one half value per
+      half parameter.
     * "stochastic" rounds up or down at random, so the expected parameter is
       the float32 result: small updates are applied on average. No extra
       memory.
 
     `inner` sees float32 gradients, parameters and state for half
-    parameters; its half-precision state leaves are stored back
-    stochastically rounded (unbiased), so Adam's moments can stay in
+    parameters; its half-precision state leaves (those of float32
+    parameters with `mu_dtype=jnp.bfloat16` too) are stored back
+    stochastically rounded, unbiased, so Adam's moments can stay in
     bfloat16. Float32 and other non-half parameters get `inner`'s updates
-    untouched, with no buffer and no extra work. The update landing exactly needs the new
-    value within a factor 2 of the old (true of any ordinary step); a weight
-    collapsing towards or across zero in one step may land up to half an ulp
-    of the step off (for "kahan", the buffer takes up the difference).
-    Values beyond the half dtype's range saturate at its largest finite
-    value instead of overflowing (float16: 65504).
+    untouched, with no buffer and no per-parameter work.
+
+    The update lands exactly when the new value is within a factor 2 of the
+    old (any ordinary step); a weight collapsing towards or across zero in
+    one step may land up to half an ulp of the step off (for "kahan", the
+    buffer takes up the difference). Values beyond the half dtype's range
+    saturate at its largest finite value instead of overflowing (float16:
+    65504), and a single step larger than the range is cut to fit.
 
     The inner state keeps the dtypes `inner.init` gave it. With a loss
     scale, wrap this transformation in `loss_scaled`, not the other way
@@ -234,10 +240,10 @@ def half_param_updates(
       (`mu_dtype` matters for float32 parameters only.)
     * SGD with momentum: `optax.sgd(lr, momentum=0.9)`: 2 + 2 + 2 = 6 bytes.
     * Lion: `optax.lion(lr)`: 2 + 2 + 2 = 6 bytes.
-    * Adafactor: `optax.adafactor(lr)`: 2 + 2 plus its factored second
-      moments, a float32 row and column per matrix of at least 128 x 128
-      (close to 0 bytes per parameter), or a full float32 one for smaller
-      leaves; `momentum` adds a float32 first moment unless
+    * Adafactor: `optax.adafactor(lr)`: 2 + 2 plus its second moments, in
+      the parameters' dtype: factored (a row and a column, close to 0 bytes
+      per parameter) for matrices of at least 128 x 128, full (2 bytes)
+      otherwise; `momentum` adds a float32 first moment unless
       `dtype_momentum=jnp.bfloat16`.
     With "stochastic", subtract the 2 bytes of the buffer.
 
@@ -314,7 +320,9 @@ def half_param_updates(
             params,
         )
         new_updates, inner_state = inner.update(
-            updates, jax.tree.map(_to_float32, state.inner_state), jax.tree.map(_to_float32, params),
+            updates,
+            jax.tree.map(_to_float32, state.inner_state),
+            jax.tree.map(_to_float32, params),
             **extra_args,
         )
         inner_state = _store_like(inner_state, state.inner_state, state_key)
