@@ -268,14 +268,15 @@ def half_param_updates(
     Zamirai et al., "Revisiting BFloat16 Training" (2020); optimi's Kahan
     summation; torchao's bfloat16 stochastic rounding.
 
-    >>> import jax.numpy as jnp, optax
+    >>> import jax, jax.numpy as jnp, optax
     >>> import jmp_policy as jmp
     >>> tx = jmp.half_param_updates(optax.sgd(1e-4))
     >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
     >>> state = tx.init(params)
     >>> grads = {"w": -jnp.ones(2, jnp.bfloat16)}  # updates of +1e-4
+    >>> update = jax.jit(tx.update)
     >>> for _ in range(1000):
-    ...     updates, state = tx.update(grads, state, params)
+    ...     updates, state = update(grads, state, params)
     ...     params = optax.apply_updates(params, updates)
     >>> params["w"]  # float32 gives 1.1; plain bfloat16 stays at 1
     Array([1.10156, 1.10156], dtype=bfloat16)
