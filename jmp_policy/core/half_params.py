@@ -201,13 +201,13 @@ def half_param_updates(
       that joins the next update. An update far below half an ulp of its
       weight adds up in the buffer until it moves the weight, so a bfloat16
       weight follows the float32 sum to about 16 significant bits (22 for
-      float16). The buffer rounds too: it grows to half an ulp of the weight
-      (2**-9 of it, bfloat16), where its own ulp is 2**-16 of the weight, so
-      an update near 2**-16 of its weight is applied with the buffer's
+      float16). The buffer rounds too: it keeps adding an update `u` only
+      while it holds less than about 256 `u` (its own 8 bits), and empties
+      into the weight at half the weight's ulp, so updates of at least
+      2**-16 of the weight get through, near that size with the buffer's
       rounding error (1,000 updates of 1e-4 onto 1.0 add 0.1028, not 0.1),
-      and one below 2**-17 of it is lost once the buffer has grown (2**-18
-      onto 1.0 stops adding at 2**-10). Extra memory: one half value per
-      half parameter.
+      and smaller ones stall (2**-18 onto 1.0 stops adding at 2**-10).
+      Extra memory: one half value per half parameter.
     * "stochastic" rounds up or down at random, so the expected parameter is
       the float32 result: small updates are applied on average. No extra
       memory.
