@@ -1,4 +1,4 @@
-"""A small character-level Transformer language model trained under three precisions.
+"""A character-level Transformer LM trained under three precisions (five with --half-params).
 
 The model is plain Flax linen, written without any thought for precision
 (every layer's `dtype` is left at its default). `jmp_policy.with_policy` runs
