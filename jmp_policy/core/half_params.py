@@ -148,11 +148,16 @@ def _to_float32(x: Any) -> Any:
     return x.astype(jnp.float32) if _is_half(x) else x
 
 
+def _flatten_up_to(treedef: Any, tree: Any) -> list[Any]:
+    """The subtrees of `tree` at the leaves of `treedef` (MaskedNodes included)."""
+    return treedef.flatten_up_to(tree)  # A PyTreeDef method the type stubs omit.
+
+
 def _store_like(new: Any, old: Any, key: jax.Array) -> Any:
     """Casts the new inner state back to the dtypes of the old: half leaves
     stochastically rounded, others (counts, float32 moments) as they are."""
     new_leaves, treedef = jax.tree.flatten(new)
-    old_leaves = treedef.flatten_up_to(old)
+    old_leaves = _flatten_up_to(treedef, old)
     keys = jax.random.split(key, max(len(new_leaves), 1))
     out = []
     for i, (n, o) in enumerate(zip(new_leaves, old_leaves)):
@@ -329,9 +334,9 @@ def half_param_updates(
         inner_state = _store_like(inner_state, state.inner_state, state_key)
 
         leaves, treedef = jax.tree.flatten(params)
-        update_leaves = treedef.flatten_up_to(new_updates)
+        update_leaves = _flatten_up_to(treedef, new_updates)
         if method == "kahan":
-            comp_leaves = treedef.flatten_up_to(state.compensation)
+            comp_leaves = _flatten_up_to(treedef, state.compensation)
             pairs = [_kahan_leaf(*leaf) for leaf in zip(comp_leaves, leaves, update_leaves)]
             new_updates = jax.tree.unflatten(treedef, [u for u, _ in pairs])
             compensation = jax.tree.unflatten(treedef, [c for _, c in pairs])

@@ -316,7 +316,8 @@ class DynamicLossScale(LossScale):
             )
         set_("period", int(period))
         # A jax.Array counter (e.g. from an eager `adjust`) is not read back.
-        if not isinstance(given_counter, jax.Array) and not 0 <= int(np.asarray(given_counter)) < period:
+        counter_value = None if isinstance(given_counter, jax.Array) else int(np.asarray(given_counter))
+        if counter_value is not None and not 0 <= counter_value < period:
             raise ValueError(
                 f"counter must be in [0, period) = [0, {int(period)}), got {given_counter!r}."
             )

@@ -63,8 +63,8 @@ def widest(dtypes: Iterable[np.dtype]) -> np.dtype:
 # CPUs these dots are emitted as a [B, K, M] x [B, K, N] product, which
 # XLA:CPU computes in float32 from the bf16 operands (the same values). Other
 # CPUs and other platforms get the dot as written.
-# JMP_POLICY_CPU_BF16_DOT_WORKAROUND=1 or 0 forces it on or off (to check a
-# newer jaxlib).
+# JMP_POLICY_CPU_BF16_DOT_WORKAROUND=1 or 0 forces it on or off (to check a newer
+# jaxlib).
 def cpu_bf16_dot_workaround(env: Mapping[str, str] = os.environ, cpuinfo: str | None = None) -> bool:
     """Whether bf16 x bf16 -> f32 dots on CPU take the form XLA:CPU can run."""
     forced = env.get("JMP_POLICY_CPU_BF16_DOT_WORKAROUND")
