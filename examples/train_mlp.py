@@ -6,6 +6,9 @@ The model is written without any thought for precision; `jmp_policy` adds it:
   mixed_bfloat16   float32 parameters, bfloat16 compute, no loss scaling
   mixed_float16    float32 parameters, float16 compute, DynamicLossScale(2**15)
 
+(and, with ``--half-params kahan`` or ``stochastic``, bfloat16 parameters
+without float32 master weights: "bf16" with plain Adam, and "bf16+kahan" with
+Adam wrapped in `jmp_policy.half_param_updates`)
 using `with_policy(model.init, policy)`, `with_policy(model.apply, policy)`
 (BatchNorm statistics are a mutable `batch_stats` collection, kept in
 float32) and `loss_scaled(optax.adam(...), loss_scale)`, in the train step of
@@ -16,6 +19,7 @@ Usage::
 
     .venv/bin/python examples/train_mlp.py             # 300 steps each, a few seconds
     .venv/bin/python examples/train_mlp.py --steps 1000
+    .venv/bin/python examples/train_mlp.py --half-params kahan --learning-rate 1e-4
 """
 
 from __future__ import annotations
@@ -116,8 +120,19 @@ def make_evaluate(model: MLP, policy):
     return evaluate
 
 
-def train(policy_spec: str, loss_scale: float | None, steps: int, seed: int = 0) -> dict:
-    """Trains under one policy; returns losses, accuracy and loss-scale state."""
+def train(
+    policy_spec: str,
+    loss_scale: float | None,
+    steps: int,
+    seed: int = 0,
+    learning_rate: float = LEARNING_RATE,
+    half_params: str | None = None,
+) -> dict:
+    """Trains under one policy; returns losses, accuracy and loss-scale state.
+
+    `half_params`, if not None, is the `method` of `jmp_policy.half_param_updates`
+    wrapping Adam (it changes the updates of half-precision parameters only).
+    """
     policy = jmp_policy.get_policy(policy_spec)
     sample, (x_test, y_test) = make_data(seed)
     model = MLP()
@@ -130,7 +145,10 @@ def train(policy_spec: str, loss_scale: float | None, steps: int, seed: int = 0)
         if loss_scale is None
         else jmp_policy.DynamicLossScale(loss_scale)
     )
-    tx = jmp_policy.loss_scaled(optax.adam(LEARNING_RATE), scale)
+    tx = optax.adam(learning_rate)
+    if half_params is not None:
+        tx = jmp_policy.half_param_updates(tx, half_params, seed=seed)
+    tx = jmp_policy.loss_scaled(tx, scale)
     opt_state = tx.init(params)
     train_step = make_train_step(model, policy, tx)
 
@@ -162,28 +180,40 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="Adam steps per policy")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE)
+    parser.add_argument(
+        "--half-params",
+        choices=("kahan", "stochastic"),
+        help="also train bfloat16 parameters, plain and with half_param_updates(method=...)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
 
     print(
         f"MLP with BatchNorm, {NUM_CLASSES} Gaussian blobs in {DIM} dimensions, "
-        f"{args.steps} Adam steps of batch {BATCH} per policy"
+        f"{args.steps} Adam steps of batch {BATCH} per policy, learning rate {args.learning_rate:g}"
     )
     header = (
         f"{'policy':<16}{'train loss':>11}{'test acc':>10}{'loss scale':>12}"
-        f"{'skipped':>9}  {'state dtype':<12}{'time':>6}"
+        f"{'skipped':>9}  {'state dtype':<17}{'time':>6}"
     )
     print(header)
     print("-" * len(header))
     results = {}
-    for name, spec, scale in CONFIGS:
-        r = train(spec, scale, args.steps, args.seed)
+    configs = [(name, spec, scale, None) for name, spec, scale in CONFIGS]
+    if args.half_params is not None:
+        configs += [
+            ("bf16", "bf16", None, None),
+            (f"bf16+{args.half_params}", "bf16", None, args.half_params),
+        ]
+    for name, spec, scale, method in configs:
+        r = train(spec, scale, args.steps, args.seed, args.learning_rate, method)
         results[name] = r
         scale_str = "none" if scale is None else f"{r['loss_scale']:g}"
         print(
             f"{name:<16}{r['final_loss']:>11.4f}{r['accuracy']:>10.1%}{scale_str:>12}"
-            f"{r['skipped']:>9}  {','.join(r['state_dtypes']):<12}{r['seconds']:>5.1f}s"
+            f"{r['skipped']:>9}  {','.join(r['state_dtypes']):<17}{r['seconds']:>5.1f}s"
         )
     print(
         "train loss: mean of the last 10 steps; state: params and batch_stats; time: with compilation"

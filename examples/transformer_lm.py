@@ -1,4 +1,4 @@
-"""A small character-level Transformer language model trained under three precisions.
+"""A character-level Transformer LM trained under three precisions (five with --half-params).
 
 The model is plain Flax linen, written without any thought for precision
 (every layer's `dtype` is left at its default). `jmp_policy.with_policy` runs
@@ -7,6 +7,12 @@ it under a policy, and `jmp_policy.loss_scaled` wraps the optimizer:
   float32          the reference
   mixed_bfloat16   float32 parameters, bfloat16 compute, no loss scaling
   mixed_float16    float32 parameters, float16 compute, DynamicLossScale(2**15)
+
+and, with ``--half-params kahan`` (or ``stochastic``), two more with bfloat16
+parameters (half the memory of the weights, no float32 master copy):
+
+  bf16             bfloat16 everything, plain optax: small updates round away
+  bf16+kahan       the same wrapped in `jmp_policy.half_param_updates`
 
 The corpus is the source code of Python's own `argparse` module (read with
 `inspect.getsource`: shipped with every Python, no download). Every
@@ -17,6 +23,7 @@ Usage::
 
     .venv/bin/python examples/transformer_lm.py            # 300 steps each, ~1 min
     .venv/bin/python examples/transformer_lm.py --steps 50
+    .venv/bin/python examples/transformer_lm.py --half-params kahan --learning-rate 1e-4
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ import functools
 import inspect
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -53,29 +59,16 @@ class Block(nn.Module):
 
     num_heads: int
     mlp_ratio: int = 4
-    # Both only for variants of benchmarks/transformer.py: `dtype` for Flax's
-    # hand-written bfloat16, `dot_general` for `jmp_policy.half_dot_general`.
-    dtype: Any = None
-    dot_general: Any = None
 
     @nn.compact
     def __call__(self, x, mask):
         width = x.shape[-1]
-        dense = functools.partial(nn.Dense, dtype=self.dtype, dot_general=self.dot_general)
-        h = nn.LayerNorm(dtype=self.dtype)(x)
-        h = nn.MultiHeadDotProductAttention(
-            num_heads=self.num_heads,
-            dtype=self.dtype,
-            qkv_dot_general=self.dot_general,
-            out_dot_general=self.dot_general,
-            attention_fn=functools.partial(
-                nn.dot_product_attention, einsum_dot_general=self.dot_general
-            ),
-        )(h, mask=mask)
+        h = nn.LayerNorm()(x)
+        h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads)(h, mask=mask)
         x = x + h
-        h = nn.LayerNorm(dtype=self.dtype)(x)
-        h = nn.gelu(dense(self.mlp_ratio * width)(h))
-        return x + dense(width)(h)
+        h = nn.LayerNorm()(x)
+        h = nn.gelu(nn.Dense(self.mlp_ratio * width)(h))
+        return x + nn.Dense(width)(h)
 
 
 class TransformerLM(nn.Module):
@@ -86,20 +79,17 @@ class TransformerLM(nn.Module):
     depth: int = 2
     num_heads: int = 4
     max_len: int = SEQ_LEN
-    dtype: Any = None  # left None in the example: `with_policy` decides
-    dot_general: Any = None
 
     @nn.compact
     def __call__(self, tokens):
         positions = jnp.arange(tokens.shape[-1])
-        x = nn.Embed(self.vocab_size, self.width, dtype=self.dtype, name="tok_embed")(tokens)
-        x = x + nn.Embed(self.max_len, self.width, dtype=self.dtype, name="pos_embed")(positions)
+        x = nn.Embed(self.vocab_size, self.width, name="tok_embed")(tokens)
+        x = x + nn.Embed(self.max_len, self.width, name="pos_embed")(positions)
         mask = nn.make_causal_mask(tokens)
         for _ in range(self.depth):
-            x = Block(self.num_heads, dtype=self.dtype, dot_general=self.dot_general)(x, mask)
-        x = nn.LayerNorm(dtype=self.dtype)(x)
-        head = nn.Dense(self.vocab_size, dtype=self.dtype, dot_general=self.dot_general, name="head")
-        return head(x)
+            x = Block(self.num_heads)(x, mask)
+        x = nn.LayerNorm()(x)
+        return nn.Dense(self.vocab_size, name="head")(x)
 
 
 # ---------------------------------------------------------------------------- data
@@ -164,18 +154,22 @@ def make_train_step(model: nn.Module, policy, tx: optax.GradientTransformation):
     return train_step
 
 
-def make_model(vocab_size: int, **kwargs) -> TransformerLM:
-    return TransformerLM(vocab_size=vocab_size, **kwargs)
+def make_model(vocab_size: int) -> TransformerLM:
+    return TransformerLM(vocab_size=vocab_size)
 
 
 def init_params(model: TransformerLM, policy, seed: int = 0):
-    """The initial parameters, created in the policy's param dtype.
+    """The initial parameters, in the policy's param dtype.
 
     They depend only on the model, the seed and the param dtype, so they are
-    cached on those: the three configurations (all with float32 parameters)
-    start from the very same values, and the initialisation compiles once.
+    cached on those: the configurations with float32 parameters start from
+    the very same values, and the initialisation compiles once. Half
+    parameters are the float32 ones rounded, so they start from the same
+    point too.
     """
-    return _init_params(model, jmp_policy.get_policy(policy).param_dtype, seed)
+    param_dtype = jmp_policy.get_policy(policy).param_dtype
+    params = _init_params(model, jnp.dtype(jnp.float32), seed)
+    return jax.tree.map(lambda p: p.astype(param_dtype), params)
 
 
 @functools.cache
@@ -193,6 +187,8 @@ def train(
     steps: int = 300,
     seed: int = 0,
     evaluate: bool = True,
+    learning_rate: float = LEARNING_RATE,
+    half_params: str | None = None,
 ) -> dict:
     """Trains the model for `steps` steps under a policy; returns the results.
 
@@ -202,6 +198,10 @@ def train(
       steps: the number of optimizer steps.
       seed: seeds the parameters and the batches (the same for every policy).
       evaluate: whether to compute `eval_loss` (one more compilation).
+      learning_rate: Adam's learning rate.
+      half_params: None for plain optax, or the `method` of
+        `jmp_policy.half_param_updates` ("kahan", "stochastic") wrapping Adam;
+        it changes the updates of half-precision parameters only.
 
     Returns:
       A dict: `final_loss` (mean training loss of the last 10 steps, nats),
@@ -217,7 +217,10 @@ def train(
         if loss_scale is None
         else jmp_policy.DynamicLossScale(loss_scale)
     )
-    tx = jmp_policy.loss_scaled(optax.adam(LEARNING_RATE), scale)
+    tx = optax.adam(learning_rate)
+    if half_params is not None:
+        tx = jmp_policy.half_param_updates(tx, half_params, seed=seed)
+    tx = jmp_policy.loss_scaled(tx, scale)
     params = init_params(model, policy, seed)
     opt_state = tx.init(params)
     train_step = make_train_step(model, policy, tx)
@@ -249,6 +252,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="Adam steps per policy")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE)
+    parser.add_argument(
+        "--half-params",
+        choices=("kahan", "stochastic"),
+        help="also train bfloat16 parameters, plain and with half_param_updates(method=...)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 10:
         parser.error(f"--steps must be at least 10, got {args.steps}")
@@ -257,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     n_params = sum(p.size for p in jax.tree.leaves(init_params(make_model(vocab_size), "f32")))
     print(
         f"Character Transformer LM on the argparse source: vocab {vocab_size}, "
-        f"{n_params:,} params, batch {BATCH} x {SEQ_LEN}, {args.steps} Adam steps"
+        f"{n_params:,} params, batch {BATCH} x {SEQ_LEN}, {args.steps} Adam steps "
+        f"at learning rate {args.learning_rate:g}"
     )
     header = (
         f"{'policy':<16}{'train loss':>11}{'eval loss':>11}{'loss scale':>12}"
@@ -266,8 +276,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(header)
     print("-" * len(header))
     results = {}
-    for name, spec, scale in CONFIGS:
-        r = train(spec, scale, args.steps, args.seed)
+    configs = [(name, spec, scale, None) for name, spec, scale in CONFIGS]
+    if args.half_params is not None:
+        configs += [
+            ("bf16", "bf16", None, None),
+            (f"bf16+{args.half_params}", "bf16", None, args.half_params),
+        ]
+    for name, spec, scale, method in configs:
+        r = train(
+            spec,
+            scale,
+            args.steps,
+            args.seed,
+            learning_rate=args.learning_rate,
+            half_params=method,
+        )
         results[name] = r
         scale_str = "none" if scale is None else f"{r['loss_scale']:g}"
         print(
@@ -275,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             f"{scale_str:>12}{r['skipped']:>9}{r['seconds']:>7.1f}s"
         )
     print("losses in nats per character; train loss: mean of the last 10 steps; eval: held-out")
-    print("text; all three start from the same parameters and see the same batches")
+    print("text; all start from the same parameters (rounded, for bf16) and see the same batches")
     return results
 
 

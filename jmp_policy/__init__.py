@@ -16,6 +16,8 @@ from jmp_policy.core.autocast import PROMOTE_PRIMITIVES
 from jmp_policy.core.autocast import autocast
 from jmp_policy.core.diagnostics import GradientReport
 from jmp_policy.core.diagnostics import diagnose
+from jmp_policy.core.half_params import HalfParamState
+from jmp_policy.core.half_params import half_param_updates
 from jmp_policy.core.loss_scale import DynamicLossScale
 from jmp_policy.core.loss_scale import ExpectedScalarError
 from jmp_policy.core.loss_scale import LossScale
@@ -68,6 +70,7 @@ __all__ = (
     "FLOAT32_PRIMITIVES",
     "GradientReport",
     "HALF_PRIMITIVES",
+    "HalfParamState",
     "LossScale",
     "LossScaledState",
     "NoOpLossScale",
@@ -85,6 +88,7 @@ __all__ = (
     "half_conv_general_dilated",
     "half_dot_general",
     "half_dtype",
+    "half_param_updates",
     "loss_scaled",
     "plot_histogram",
     "select_tree",

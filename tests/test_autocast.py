@@ -15,7 +15,6 @@ computes the autocast and the reference results together.
 """
 
 import functools
-import re
 
 import flax.linen as nn
 import jax
@@ -37,6 +36,8 @@ from jmp_policy import (
     half_dot_general,
 )
 
+from helpers import lowered_ops
+
 BF16_TOL = 3e-2
 MIXED = jmp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -53,29 +54,14 @@ def assert_close(actual, expected, tol=BF16_TOL):
         assert err <= tol * scale, f"max error {err} > {tol} * {scale}"
 
 
-_TYPE = re.compile(r"tensor<(?:[0-9?]+x)*([a-z0-9]+)>")
-_OP = re.compile(r"^\s*(?:%[^=]+=\s*)?\"?stablehlo\.([a-z_]+)")
-
-
 def hlo_ops(fn, *args, platform=None):
     """(op, operand dtypes, result dtypes) of each StableHLO op of jit(fn).
 
     The program is lowered for this machine (CPU), or with `platform` for
     that platform, e.g. "cuda" (no GPU needed).
     """
-    if platform is None:
-        text = jax.jit(fn).lower(*args).as_text()
-    else:
-        text = jax.export.export(jax.jit(fn), platforms=[platform])(*args).mlir_module()
-    ops = []
-    for line in text.splitlines():
-        match = _OP.match(line)
-        if not match or " : " not in line:
-            continue
-        signature = line.rsplit(" : ", 1)[1]
-        ins, outs = signature.split("->", 1) if "->" in signature else (signature, signature)
-        ops.append((match.group(1), _TYPE.findall(ins), _TYPE.findall(outs)))
-    return ops
+    ops = lowered_ops(fn, *args, platform=platform)
+    return [(op.name, list(op.operand_types), list(op.result_types)) for op in ops]
 
 
 def products(fn, *args, op="dot_general", platform=None):

@@ -1,4 +1,4 @@
-"""The examples under examples/ and the Transformer benchmark, run as tests.
+"""The examples under examples/, run as tests.
 
 * Numerics: the example Transformer LM trained for 300 steps under
   `mixed_bfloat16`, and under `mixed_float16` with `DynamicLossScale`, ends
@@ -6,18 +6,12 @@
   parameters and see the same batches).
 * The MLP examples (linen `train_mlp.py`, NNX `nnx_mlp.py`) print a row per
   policy with its loss, accuracy, loss scale and skipped steps.
-* `benchmarks/transformer.py --no-time`: the bytes saved for the backward
-  pass of the Transformer's loss under `with_policy(mixed_bfloat16)` are at
-  most its `TARGET_RATIO` (0.55) of float32's; every matmul of the whole
-  lowered train step takes half operands in the half variants, and produces
-  float32 in the float32-accumulating ones (`autocast`, `half_dot_general`).
 
-The whole file takes about 80 s of CPU time (mostly XLA compilation of 7 train steps).
+The Transformer benchmark, which carries its own copy of the model, is tested
+in `test_benchmarks.py`.
 """
 
-import contextlib
 import importlib.util
-import io
 import math
 import sys
 from pathlib import Path
@@ -119,67 +113,6 @@ def test_train_mlp_demo_prints_a_row_per_policy(capsys):
         assert row[5] == "float32"  # parameters and batch_stats
         assert r["accuracy"] > 0.3  # 10 classes: chance is 0.1
         assert np.isfinite(r["losses"]).all()
-
-
-@pytest.fixture(scope="module")
-def transformer_benchmark():
-    """`benchmarks/transformer.py --no-time`: its module and its table rows by variant."""
-    from jmp_policy.app.benchmarks import transformer as bench
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        status = bench.main(["--no-time"])
-    bench.printed = out.getvalue()
-    names = [v for v in (bench.REFERENCE, *bench.HALF_VARIANTS)]
-    rows = {}
-    for line in out.getvalue().splitlines():
-        for name in names:
-            rest = line.removeprefix(name)
-            if rest != line and rest[:1] == " " and "%" in rest:
-                dots, half, f32, nbytes, ratio = rest.split()
-                rows[name] = (int(dots), half, f32, int(nbytes.replace(",", "")), float(ratio))
-    assert list(rows) == names, out.getvalue()
-    return bench, status, rows
-
-
-def test_mixed_bfloat16_residual_bytes_at_most_target_of_float32(transformer_benchmark):
-    # The benchmark's own bytes, and its printed ratio, for with_policy(mixed_bfloat16).
-    bench, status, rows = transformer_benchmark
-    by_variant = bench.residual_bytes()
-    ratio = by_variant["with_policy"] / by_variant["float32"]
-    assert ratio <= bench.TARGET_RATIO, by_variant
-    assert rows["with_policy"][4] == round(ratio, 3)
-    assert rows["with_policy"][3] == by_variant["with_policy"]
-    assert status == 0
-
-
-def test_with_policy_saves_less_than_flax_dtype_by_hand(transformer_benchmark):
-    # Flax's hand-set bfloat16 keeps its LayerNorms' float32 copies; the
-    # policy rematerialises them.
-    _, _, rows = transformer_benchmark
-    assert rows["with_policy"][3] < rows["flax dtype=bf16"][3]
-
-
-def test_every_train_step_matmul_is_half_and_the_accumulating_paths_give_float32(
-    transformer_benchmark,
-):
-    # The example Transformer's whole jitted train step: 17 products forward
-    # (2 x (q, k, v, out, 2 einsums, 2 MLP) + head), 2 each backward.
-    _, _, rows = transformer_benchmark
-    assert rows["float32"][:3] == (51, "0%", "100%")
-    assert rows["flax dtype=bf16"][:3] == rows["with_policy"][:3] == (51, "100%", "0%")
-    assert rows["autocast"][:3] == rows["with_policy+f32acc"][:3] == (51, "100%", "100%")
-    # The policy's matmul dtype alone gives what the hand-wired model does.
-    assert rows["m=bf16"][:3] == (51, "100%", "100%")
-
-
-def test_benchmark_mixed_float8_every_matmul_fp8(transformer_benchmark):
-    bench, _, _ = transformer_benchmark
-    line = next(x for x in bench.printed.splitlines() if x.startswith("mixed_float8: "))
-    assert line == (
-        "mixed_float8: 17 forward e4m3 x e4m3 dots, 34 backward dots with an e5m2 "
-        "output gradient, 0 others: all FP8"
-    )
 
 
 def test_nnx_example_prints_a_row_per_policy(capsys):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax
 import flax.linen as nn
@@ -29,10 +29,11 @@ import pytest
 from jmp_policy import Policy, with_policy
 from jmp_policy.core.diagnostics import saved_residuals
 
+from helpers import HloOp, contractions
+
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
-MLIR_NAMES = {"bf16": BF16, "f16": F16, "f32": F32}
 
 VOCAB = 24  # No other dimension of the models below is 24: it marks the head.
 FEATURES = 16
@@ -42,61 +43,10 @@ SEEN: dict[str, Any] = {}  # What modules saw while traced.
 
 
 # --------------------------------------------------------------------------
-# Reading contractions out of lowered StableHLO.
+# Reading contractions out of lowered StableHLO (`helpers.contractions`).
 
 
-class Contraction(NamedTuple):
-    """A `dot_general` or `convolution` of a lowered program: op and types."""
-
-    op: str
-    lhs: str  # e.g. "2x8x16xbf16"
-    rhs: str
-    result: str
-
-    @property
-    def operand_dtypes(self) -> tuple[np.dtype, np.dtype]:
-        return _element_dtype(self.lhs), _element_dtype(self.rhs)
-
-    @property
-    def result_dtype(self) -> np.dtype:
-        return _element_dtype(self.result)
-
-    def has_dim(self, size: int) -> bool:
-        return any(str(size) in t.split("x")[:-1] for t in (self.lhs, self.rhs, self.result))
-
-
-_CONTRACTION_OP = re.compile(r"stablehlo\.(dot_general|dot|convolution)\b")
-# MLIR prints each op on one line, its signature last: `: (lhs, rhs) -> result`.
-_SIGNATURE = re.compile(
-    r":\s*\(tensor<([^>]+)>,\s*tensor<([^>]+)>\)\s*->\s*tensor<([^>]+)>\s*$"
-)
-
-
-def _element_dtype(tensor_type: str) -> np.dtype:
-    name = tensor_type.split("x")[-1]
-    if name not in MLIR_NAMES:
-        raise ValueError(f"unexpected element type {name!r} in tensor<{tensor_type}>")
-    return MLIR_NAMES[name]
-
-
-def contractions(hlo_text: str) -> list[Contraction]:
-    """Every `dot_general`/`dot`/`convolution` of a StableHLO module, in order.
-
-    Raises if a contraction's line cannot be read, so none is silently missed.
-    """
-    found = []
-    for line in hlo_text.splitlines():
-        op = _CONTRACTION_OP.search(line)
-        if op is None:
-            continue
-        signature = _SIGNATURE.search(line)
-        if signature is None:
-            raise ValueError(f"cannot read the operand types of: {line.strip()}")
-        found.append(Contraction(op.group(1), *signature.groups()))
-    return found
-
-
-def compute_dtypes(found: list[Contraction]) -> list[np.dtype]:
+def compute_dtypes(found: list[HloOp]) -> list[np.dtype]:
     """The operand dtype of each contraction; both operands must agree."""
     dtypes = []
     for c in found:
@@ -104,30 +54,6 @@ def compute_dtypes(found: list[Contraction]) -> list[np.dtype]:
         assert lhs == rhs, f"mixed operands in {c}"
         dtypes.append(lhs)
     return dtypes
-
-
-def test_contractions_reads_dot_general_and_convolution_lines():
-    text = "\n".join(
-        [
-            "    %3 = stablehlo.dot_general %1, %2, contracting_dims = [2] x [0], precision ="
-            " [DEFAULT, DEFAULT] : (tensor<2x8x16xbf16>, tensor<16x64xbf16>) ->"
-            " tensor<2x8x64xbf16>",
-            "    %4 = stablehlo.add %3, %3 : tensor<2x8x64xbf16>",
-            "    %5 = stablehlo.convolution(%a, %b) dim_numbers = [b, 0, 1, f]x[0, 1, i, o]->"
-            "[b, 0, 1, f], window = {stride = [1, 1]} {batch_group_count = 1 : i64,"
-            " feature_group_count = 1 : i64} : (tensor<4x8x8x3xf32>, tensor<3x3x3x8xf32>)"
-            " -> tensor<4x8x8x8xf32>",
-            "    %6 = stablehlo.dot_general %x, %y, contracting_dims = [0] x [0] :"
-            " (tensor<24xf16>, tensor<24xf16>) -> tensor<f32>",
-        ]
-    )
-    found = contractions(text)
-    assert [c.op for c in found] == ["dot_general", "convolution", "dot_general"]
-    assert compute_dtypes(found) == [BF16, F32, F16]
-    assert found[2].result_dtype == F32
-    assert [c.has_dim(24) for c in found] == [False, False, True]
-    with pytest.raises(ValueError, match="cannot read"):
-        contractions("%1 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0]")
 
 
 # --------------------------------------------------------------------------
@@ -227,7 +153,7 @@ def make_train_step(apply, tx):
 TX = optax.sgd(0.1, momentum=0.9)
 
 
-def lowered_train_step(model, policy, rules=None) -> list[Contraction]:
+def lowered_train_step(model, policy, rules=None) -> list[HloOp]:
     """The contractions of `model`'s whole jitted train step under `policy`."""
     tokens = _tokens()
     init = with_policy(model.init, policy, rules=rules)
@@ -252,7 +178,7 @@ HEAD_DOTS = 3
 def test_train_step_contracts_only_in_half(policy, half):
     found = lowered_train_step(LM(), policy)
     assert len(found) == LM_DOTS
-    assert {c.op for c in found} == {"dot_general"}
+    assert {c.name for c in found} == {"dot_general"}
     assert compute_dtypes(found) == [half] * LM_DOTS
 
 
@@ -461,7 +387,7 @@ def test_method_argument(method):
     assert jax.eval_shape(encode, variables, x).shape == (2, 4)
     assert jax.eval_shape(encode, variables, x).dtype == F32
     found = contractions(encode.lower(variables, x).as_text())
-    assert [c.result for c in found] == ["2x4xbf16"]  # The encoder's dot only.
+    assert [c.results for c in found] == [("2x4xbf16",)]  # The encoder's dot only.
 
 
 def test_embed_attend_through_method():
@@ -476,7 +402,7 @@ def test_embed_attend_through_method():
     attend = jax.jit(lambda v, q: apply(v, q, method=nn.Embed.attend))
     assert jax.eval_shape(attend, variables, query).dtype == F32
     found = contractions(attend.lower(variables, query).as_text())
-    assert [(c.lhs, c.rhs) for c in found] == [("2x16xbf16", "16x24xbf16")]
+    assert [c.operands for c in found] == [("2x16xbf16", "16x24xbf16")]
 
 
 def test_modules_whose_dtype_is_none_compute_in_compute_dtype():
@@ -531,7 +457,7 @@ def test_convnet_train_step_contracts_in_half_with_float32_batch_stats(policy, h
     found = contractions(jax.jit(grads_and_stats).lower(*args).as_text())
     # Two convolutions forward; backward, the weight gradient of both and the
     # input gradient of the second (the first's input is data). The Dense: 3.
-    assert sorted(c.op for c in found) == ["convolution"] * 5 + ["dot_general"] * 3
+    assert sorted(c.name for c in found) == ["convolution"] * 5 + ["dot_general"] * 3
     assert compute_dtypes(found) == [half] * 8
 
 

@@ -10,6 +10,8 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_policy as jmp
 
+from helpers import assert_bitwise_equal
+
 N_DEVICES, PER_DEVICE = 8, 2
 BATCH = N_DEVICES * PER_DEVICE
 BAD_DEVICE = 3
@@ -75,15 +77,6 @@ def single_device_result():
     for x, y in batches():
         params, state = step(params, state, x, y)
     return params, state
-
-
-def assert_bitwise_equal(a, b):
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
 
 
 def assert_replicated(tree):

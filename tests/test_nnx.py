@@ -24,6 +24,8 @@ from flax import nnx
 import jmp_policy as jmp
 import jmp_policy.nnx as jnnx
 
+from helpers import hlo_ops
+
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
@@ -100,14 +102,7 @@ def make_optimizer(model, loss_scale=None, learning_rate=0.05):
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-_OP = re.compile(
-    r"stablehlo\.(dot_general|convolution)[^\n]*:\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)"
-)
 _ALGORITHM = re.compile(r"algorithm = <lhs_precision_type = (\w+), rhs_precision_type = (\w+)")
-
-
-def _element_type(tensor_type: str) -> str:
-    return tensor_type[len("tensor<") : -1].rsplit("x", 1)[-1]
 
 
 def matmul_operand_dtypes(model, optimizer) -> dict[str, collections.Counter]:
@@ -117,15 +112,11 @@ def matmul_operand_dtypes(model, optimizer) -> dict[str, collections.Counter]:
     """
     text = nnx.jit(train_step).lower(model, optimizer, TOKENS, TARGETS).as_text()
     counts = {"dot_general": collections.Counter(), "convolution": collections.Counter()}
-    for line in text.splitlines():
-        if match := _OP.search(line):
-            op, lhs, rhs = match.groups()
-            key = (_element_type(lhs), _element_type(rhs))
-            if algorithm := _ALGORITHM.search(line):
-                key += ("algorithm {} x {}".format(*algorithm.groups()),)
-            counts[op][key] += 1
-    for op, counter in counts.items():  # No op escaped the pattern.
-        assert sum(counter.values()) == text.count(f"stablehlo.{op}"), op
+    for op in hlo_ops(text, tuple(counts)):  # Raises if one escaped the parser.
+        key = op.operand_types
+        if algorithm := _ALGORITHM.search(op.line):
+            key += ("algorithm {} x {}".format(*algorithm.groups()),)
+        counts[op.name][key] += 1
     return counts
 
 
@@ -373,7 +364,7 @@ def test_original_module_is_left_unchanged():
     assert original.kernel.dtype == BF16 and mixed.kernel.dtype == F32
     np.testing.assert_array_equal(mixed.kernel[...], kernel.astype(F32))
     # Same state paths (checkpoints fit), but separate variables.
-    assert nnx.state(mixed).flat_state().paths == nnx.state(original).flat_state().paths
+    assert nnx.to_flat_state(nnx.state(mixed)).paths == nnx.to_flat_state(nnx.state(original)).paths
     mixed.bias[...] = jnp.ones(3, F32)
     assert (original.bias[...] == 0).all()
 
@@ -399,7 +390,7 @@ def test_policy_module_casts_at_its_boundary():
     assert y.dtype == F16 and tokens.dtype == jnp.int32
     assert model.module(jnp.ones(3, BF16), 0, bias=jnp.zeros(3, BF16))["x_dtype"] == BF16
     assert model.module.w.dtype == F32
-    assert nnx.state(model, nnx.Param).flat_state().paths == (("module", "w"),)
+    assert nnx.to_flat_state(nnx.state(model, nnx.Param)).paths == (("module", "w"),)
 
 
 def test_jitted_step_retraces_for_each_policy():

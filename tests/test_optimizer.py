@@ -9,6 +9,8 @@ import pytest
 
 import jmp_policy as jmp
 
+from helpers import assert_bitwise_equal, bits
+
 
 @pytest.fixture(autouse=True)
 def _optax_promotion(request):
@@ -56,7 +58,7 @@ def loss_fn(params, x, y):
 
 
 def scaled_train_step(tx, inject="loss"):
-    """The train step of design.md; `poison` (1 or inf) injects an overflow."""
+    """The README's train step; `poison` (1 or inf) injects an overflow."""
 
     @jax.jit
     def step(params, opt_state, x, y, poison):
@@ -85,19 +87,6 @@ def control_train_step(tx):
         return optax.apply_updates(params, updates), opt_state
 
     return step
-
-
-def bits(x):
-    x = np.asarray(x)
-    return x.dtype, x.shape, x.tobytes()
-
-
-def assert_bitwise_equal(a, b):
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb):
-        assert bits(x) == bits(y)
 
 
 def poison(step, bad_steps):

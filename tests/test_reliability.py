@@ -47,25 +47,14 @@ import jmp_policy as jmp
 import jmp_policy.nnx as jnnx
 from jmp_policy import Policy
 
+from helpers import assert_bitwise_equal, bits
+
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
 F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32, 2**-126
 F32_MAX = float(np.finfo(np.float32).max)
-
-
-def bits(x) -> tuple:
-    x = np.asarray(x)
-    return x.dtype, x.shape, x.tobytes()
-
-
-def assert_bitwise_equal(a, b):
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb):
-        assert bits(x) == bits(y)
 
 
 def tree_bits_equal(a, b) -> jax.Array:
@@ -181,7 +170,7 @@ def inject_into_grads(grads, kind, leaf, element):
 
 
 def scaled_training_run(tx, compute_dtype):
-    """The design.md train step with faults injected, scanned; checks every step."""
+    """The README's train step with faults injected, scanned; checks every step."""
 
     @jax.jit
     def run(params, opt_state, xs, ys, kinds, leaves, elements):

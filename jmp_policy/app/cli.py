@@ -3,7 +3,7 @@
 Subcommands:
   demo    train one model under four precisions and show what happened
   doctor  report which gradients float16 / bfloat16 could not hold
-  bench   run the benchmark scripts of a source checkout and print their tables
+  bench   run the benchmarks shipped with the package and print their tables
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ import math
 import os
 import pathlib
 import sys
-from typing import Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 PROG = "jmp-policy"
 _DEMO_EXTRA = ("sklearn", "matplotlib", "tqdm")
+_FLAX_EXTRA = ("flax",)  # every command trains a Flax model
+_BENCH_EXTRA = ("jmp",)  # DeepMind's jmp, a baseline
 
 
 class _UsageError(Exception):
@@ -27,11 +30,11 @@ class _UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     # argparse prints the whole usage block and exits; one line is enough and
     # `main` returns the exit code instead of raising SystemExit.
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         raise _UsageError(f"{self.prog}: error: {message} (see '{self.prog} --help')")
 
 
-def _int_in(low: int, high: int, what: str):
+def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
     """An argparse type: an integer in [low, high), else a one-line error saying `what`."""
 
     def parse(text: str) -> int:
@@ -80,14 +83,18 @@ def _check_writable(path: pathlib.Path, command: str) -> None:
         os.unlink(path)
 
 
-def _check_demo_extra(command: str) -> None:
-    missing = [m for m in _DEMO_EXTRA if importlib.util.find_spec(m) is None]
+def _check_installed(modules: Sequence[str], command: str, extra: str) -> None:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         names = {"sklearn": "scikit-learn"}
         raise _UsageError(
-            f"{PROG} {command}: error: needs {', '.join(names.get(m, m) for m in missing)}: "
-            "pip install 'jmp_policy[demo]'"
+            f"{' '.join(filter(None, (PROG, command)))}: error: needs "
+            f"{', '.join(names.get(m, m) for m in missing)}: pip install 'jmp_policy[{extra}]'"
         )
+
+
+def _check_demo_extra(command: str) -> None:
+    _check_installed(_DEMO_EXTRA, command, "demo")
 
 
 def _build_parser() -> _Parser:
@@ -160,7 +167,7 @@ def _build_parser() -> _Parser:
     return parser
 
 
-def _run_demo(args) -> int:
+def _run_demo(args: argparse.Namespace) -> int:
     from jmp_policy.app import demo
 
     _check_writable(args.output, "demo")
@@ -174,7 +181,7 @@ def _run_demo(args) -> int:
     return 0
 
 
-def _run_doctor(args) -> int:
+def _run_doctor(args: argparse.Namespace) -> int:
     from jmp_policy.app import demo, doctor
     from jmp_policy.core.diagnostics import diagnose
 
@@ -208,9 +215,10 @@ def _run_doctor(args) -> int:
     return 0
 
 
-def _run_bench(args) -> int:
+def _run_bench(args: argparse.Namespace) -> int:
     from jmp_policy.app import bench
 
+    _check_installed(_BENCH_EXTRA, "bench", "bench")
     names = bench.benchmark_names()
     unknown = sorted(set(args.only or ()) - set(names))
     if unknown:
@@ -229,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Bad arguments give a one-line message on stderr and exit code 2.
     """
     try:
+        _check_installed(_FLAX_EXTRA, "", "flax")
         parser = _build_parser()
         try:
             args = parser.parse_args(argv)

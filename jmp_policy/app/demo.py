@@ -32,9 +32,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import sys
 import time
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import flax.linen as nn
 import jax
@@ -138,7 +140,7 @@ def load_data(seed: int = 0) -> Data:
 
 
 @functools.lru_cache(maxsize=16)
-def _jitted_init(model: MLP):
+def _jitted_init(model: MLP) -> Callable[..., Any]:
     return jax.jit(model.init)
 
 
@@ -160,7 +162,9 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 # Cached, so that runs with the same set-up (demo, then doctor) compile once.
 @functools.lru_cache(maxsize=16)
-def make_train_step(model: MLP, config: Config, loss_multiplier: float):
+def make_train_step(
+    model: MLP, config: Config, loss_multiplier: float
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The train step of the README, jitted: scale, differentiate, update.
 
     Returns:
@@ -195,7 +199,7 @@ def make_train_step(model: MLP, config: Config, loss_multiplier: float):
 
 
 @functools.lru_cache(maxsize=16)
-def make_evaluate(model: MLP, policy: Policy):
+def make_evaluate(model: MLP, policy: Policy) -> Callable[..., Any]:
     """Per-example loss and correctness, computed under the run's policy."""
     apply = with_policy(model.apply, policy)
 
@@ -290,7 +294,7 @@ def train(
 
 
 @functools.lru_cache(maxsize=16)
-def activation_grad_fn(model: MLP, loss_multiplier: float):
+def activation_grad_fn(model: MLP, loss_multiplier: float) -> Callable[..., Any]:
     """A function of (variables, x, y) returning float32 gradients of the demo's loss.
 
     `variables` holds "params" and "perturbations" (see `with_perturbations`):
@@ -299,13 +303,14 @@ def activation_grad_fn(model: MLP, loss_multiplier: float):
     """
     multiplier = np.float32(loss_multiplier)
 
-    def loss_fn(variables, x, y):
-        return cross_entropy(model.apply(variables, x), y).mean() * multiplier
+    def loss_fn(variables: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        logits: Any = model.apply(variables, x)  # an array: nothing is mutable
+        return cross_entropy(logits, y).mean() * multiplier
 
     return jax.jit(jax.grad(loss_fn))
 
 
-def with_perturbations(model: MLP, params: dict, x) -> dict:
+def with_perturbations(model: MLP, params: dict, x: jax.typing.ArrayLike) -> dict:
     """`params` plus zero "perturbations", whose gradients are the activation gradients."""
     shapes = jax.eval_shape(model.init, jax.random.key(0), x)["perturbations"]
     zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
@@ -353,7 +358,7 @@ def _pow2(x: float) -> str:
     return f"{x:g}"
 
 
-def plot_runs(results: list[RunResult], path, *, title: str = "") -> None:
+def plot_runs(results: list[RunResult], path: str | os.PathLike, *, title: str = "") -> None:
     """Writes the PNG: loss curves, loss-scale trajectories, share of zero gradients."""
     from matplotlib.figure import Figure  # Not pyplot: the caller's backend is left alone.
 
@@ -413,8 +418,12 @@ def _verdict(results: list[RunResult]) -> list[str]:
     lines = []
     close = all(abs(points(r)) <= 1.0 for r in (bf16, scaled))
     lines.append(
-        ("As Micikevicius et al. (2018) found, mixed precision with loss scaling matches float32: "
-         if close else "Mixed precision did NOT match float32 within 1 point here: ")
+        (
+            "As Micikevicius et al. (2018) found, mixed precision with loss scaling "
+            "matches float32: "
+            if close
+            else "Mixed precision did NOT match float32 within 1 point here: "
+        )
         + f"mixed_bfloat16 {points(bf16):+.1f} points, mixed_float16 + scaling "
         f"{points(scaled):+.1f} points of test accuracy."
     )
@@ -493,7 +502,7 @@ def run_demo(
     *,
     steps: int = DEFAULT_STEPS,
     batch_size: int = DEFAULT_BATCH_SIZE,
-    output=DEFAULT_OUTPUT,
+    output: str | os.PathLike = DEFAULT_OUTPUT,
     loss_multiplier: float = DEFAULT_LOSS_MULTIPLIER,
     seed: int = 0,
     progress: bool = True,

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -121,7 +121,9 @@ def _outputs_as(outs, dtypes):
     return [cast(o, d) if is_float(o) else o for o, d in zip(outs, dtypes)]
 
 
-def _eval(jaxpr, consts, args, rules: _Rules) -> list[Any]:
+def _eval(
+    jaxpr: ji.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: _Rules
+) -> list[Any]:
     return ji.eval_jaxpr(jaxpr, consts, args, functools.partial(_apply, rules=rules))
 
 
@@ -163,7 +165,7 @@ def _control_flow_rule(eqn, invals, rules):
 
 
 def _remat_rule(eqn, invals, rules):
-    jaxpr = eqn.params["jaxpr"]
+    jaxpr = ji.remat_body(eqn)
 
     def body(*args):
         return _eval(jaxpr, (), args, rules)

@@ -18,12 +18,13 @@ import dataclasses
 import io
 import math
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import print_saved_residuals
 import numpy as np
+from jax.ad_checkpoint import print_saved_residuals
 
 from jmp_policy.core import jax_internals as ji
 
@@ -153,7 +154,7 @@ class GradientReport:
         return tuple(m for m in self.matmuls if m.misaligned)
 
 
-def _path_str(path) -> str:
+def _path_str(path: tuple[Any, ...]) -> str:
     return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
 
 
@@ -211,7 +212,9 @@ def _float16_scale(max_abs: float) -> float:
     return float(2.0 ** min(max(exponent, 0), int(math.log2(_MAX_RECOMMENDED_SCALE))))
 
 
-def _recommend(total: GradientStats, under_scaled: float, over_scaled: float, scale: float):
+def _recommend(
+    total: GradientStats, under_scaled: float, over_scaled: float, scale: float
+) -> tuple[str, float | None, str]:
     if total.nonfinite:
         return "float32", None, (
             "the gradients already hold inf or nan in their own precision: fix that first "
@@ -230,10 +233,10 @@ def _recommend(total: GradientStats, under_scaled: float, over_scaled: float, sc
     return "float32", None, "neither half dtype holds these gradients, even with loss scaling"
 
 
-def _matmul_of(eqn) -> MatmulShape | None:
+def _matmul_of(eqn: ji.JaxprEqn) -> MatmulShape | None:
     if eqn.primitive.name not in ("dot_general", "conv_general_dilated"):
         return None
-    lhs, rhs = (tuple(v.aval.shape) for v in eqn.invars[:2])
+    lhs, rhs = (tuple(ji.shaped(v).shape) for v in eqn.invars[:2])
     if eqn.primitive.name == "dot_general":
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         m = math.prod(s for i, s in enumerate(lhs) if i not in lc and i not in lb)
@@ -243,7 +246,7 @@ def _matmul_of(eqn) -> MatmulShape | None:
         # A convolution, as an implicit GEMM: M = batch x output pixels, N = output
         # channels, K = input channels per group x kernel window.
         _, rhs_spec, _ = eqn.params["dimension_numbers"]
-        out = tuple(eqn.outvars[0].aval.shape)
+        out = tuple(ji.shaped(eqn.outvars[0]).shape)
         m = math.prod(out) // max(rhs[rhs_spec[0]], 1)
         n = rhs[rhs_spec[0]]
         k = math.prod(rhs) // max(n, 1)
@@ -251,7 +254,7 @@ def _matmul_of(eqn) -> MatmulShape | None:
     return MatmulShape(name=name, lhs_shape=lhs, rhs_shape=rhs, m=m, n=n, k=k)
 
 
-def find_matmuls(fn: Callable, *args, **kwargs) -> tuple[MatmulShape, ...]:
+def find_matmuls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[MatmulShape, ...]:
     """Lists the distinct matrix products and convolutions `fn(*args, **kwargs)` runs.
 
     Traces `fn` (nothing is computed) and walks its program, nested jit,
@@ -265,7 +268,7 @@ def find_matmuls(fn: Callable, *args, **kwargs) -> tuple[MatmulShape, ...]:
     closed = jax.make_jaxpr(fn)(*args, **kwargs)
     found: dict[tuple, MatmulShape] = {}
 
-    def walk(jaxpr):
+    def walk(jaxpr: ji.Jaxpr) -> None:
         for eqn in jaxpr.eqns:
             mm = _matmul_of(eqn)
             if mm is not None:
@@ -279,7 +282,7 @@ def find_matmuls(fn: Callable, *args, **kwargs) -> tuple[MatmulShape, ...]:
     return tuple(found.values())
 
 
-def diagnose(grad_fn: Callable | Any, *args, **kwargs) -> GradientReport:
+def diagnose(grad_fn: Callable[..., Any] | Any, *args: Any, **kwargs: Any) -> GradientReport:
     """Measures which gradient values float16 and bfloat16 could not hold.
 
     Run it on float32 gradients (the policy you are about to choose is what
@@ -384,7 +387,8 @@ def saved_residuals(fn: Callable, *args: Any) -> list[tuple[jax.ShapeDtypeStruct
 
     >>> import jax.numpy as jnp
     >>> from jmp_policy.core.diagnostics import saved_residuals
-    >>> [(r.shape, str(r.dtype)) for r, _ in saved_residuals(lambda x: jnp.sin(x).sum(), jnp.ones(3))]
+    >>> saved = saved_residuals(lambda x: jnp.sin(x).sum(), jnp.ones(3))
+    >>> [(r.shape, str(r.dtype)) for r, _ in saved]
     [((3,), 'float32')]
     """
     out = io.StringIO()

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax
 import jax.extend as jex
 import numpy as np
 
@@ -75,16 +76,29 @@ def sub_jaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
                 yield v
 
 
+def shaped(var: Any) -> jax.core.ShapedArray:
+    """The abstract value (shape, dtype, weak type) of a jaxpr variable or literal."""
+    aval = var.aval
+    if not isinstance(aval, jax.core.ShapedArray):  # A token or an opaque value.
+        raise TypeError(f"expected an array variable, got {aval!r}")
+    return aval
+
+
+def remat_body(eqn: JaxprEqn) -> Jaxpr:
+    """The program a `remat` (`jax.checkpoint`) equation runs."""
+    return eqn.params["jaxpr"]
+
+
 def name_stack(eqn: JaxprEqn) -> str:
     """The equation's name stack, e.g. the Flax module path that emitted it."""
     return str(eqn.source_info.name_stack)
 
 
-def _read(env: dict, v: Any) -> Any:
+def _read(env: dict[Any, Any], v: Any) -> Any:
     if isinstance(v, jex.core.Literal):
-        val = v.val
-        same = hasattr(val, "dtype") and val.dtype == v.aval.dtype
-        return val if same else np.asarray(val, v.aval.dtype)
+        val, dtype = v.val, shaped(v).dtype
+        same = hasattr(val, "dtype") and val.dtype == dtype
+        return val if same else np.asarray(val, dtype)
     return env[v]
 
 

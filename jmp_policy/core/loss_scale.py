@@ -16,6 +16,7 @@ import functools
 import math
 import numbers
 import warnings
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import jax
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 T = TypeVar("T")
+C = TypeVar("C", bound=type)
 
 # Smallest normal float32: the dynamic scale never goes below it (no subnormals).
 _TINY = float(np.finfo(np.float32).tiny)
@@ -45,14 +47,14 @@ def _at_least_float32(x: jax.Array) -> jax.Array:
     return x if x.dtype.itemsize >= 4 else x.astype(np.float32)
 
 
-def _scale_tree(tree: T, multiply: bool, loss_scale: jax.Array) -> T:
+def _scale_tree(tree: T, multiply: bool, loss_scale: jax.typing.ArrayLike) -> T:
     # In float32 (or wider): a half value times 2**15 would overflow, and half
     # gradients divided back in half precision would be rounded twice.
     def apply(x):
         if not _is_inexact(x):
             return x
         x = _at_least_float32(jnp.asarray(x))
-        s = loss_scale.astype(x.dtype)
+        s = jnp.asarray(loss_scale, x.dtype)
         return x * s if multiply else x / s
 
     return jax.tree.map(apply, tree)
@@ -74,7 +76,10 @@ def _dtype_of(x: Any) -> np.dtype:
 
 
 def _as_float32_scale(x: Any, name: str, warn_if_int: bool) -> Any:
-    """Converts a user's scale to a float32 array leaf, validating concrete values."""
+    """Converts a user's scale to a float32 array leaf, validating concrete values.
+
+    Called from `__post_init__`: a warning's `stacklevel=4` names the user's call.
+    """
     if not _is_array_like(x) or isinstance(x, complex):
         raise TypeError(f"{name} must be a number or a scalar array, got {x!r}.")
     if np.ndim(x) != 0:  # Shapes are known without waiting for the device.
@@ -82,7 +87,7 @@ def _as_float32_scale(x: Any, name: str, warn_if_int: bool) -> Any:
     dtype = _dtype_of(x)
     if warn_if_int and not jnp.issubdtype(dtype, jnp.floating):
         # jmp's warning, kept for compatibility; the value is converted and works.
-        warnings.warn(f"Expected floating type for {name}, got {dtype}")
+        warnings.warn(f"Expected floating type for {name}, got {dtype}", stacklevel=4)
     if _is_concrete_scalar(x):
         value = float(x)
         if not (math.isfinite(value) and 0 < value <= _F32_MAX):
@@ -109,14 +114,14 @@ def _static_float(x: Any, name: str, warn_if_int: bool = False) -> float:
             "not a traced value; create the loss scale outside `jax.jit`."
         )
     if warn_if_int and _is_array_like(x) and not jnp.issubdtype(_dtype_of(x), jnp.floating):
-        warnings.warn(f"Expected floating type for {name}, got {_dtype_of(x)}")
+        warnings.warn(f"Expected floating type for {name}, got {_dtype_of(x)}", stacklevel=4)
     try:
         return float(x)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a number, got {x!r}.") from None
 
 
-def _register_state(*data_fields: str):
+def _register_state(*data_fields: str) -> Callable[[C], C]:
     """Registers a frozen dataclass as a pytree: `data_fields` are leaves, the
     other fields static.
 
@@ -127,16 +132,16 @@ def _register_state(*data_fields: str):
     and convert its leaves as a user's call does.
     """
 
-    def register(cls):
+    def register(cls: C) -> C:
         names = [f.name for f in dataclasses.fields(cls)]
         meta_fields = [n for n in names if n not in data_fields]
 
-        def flatten_with_keys(obj):
+        def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
             children = [(jax.tree_util.GetAttrKey(n), getattr(obj, n)) for n in data_fields]
             return children, tuple(getattr(obj, n) for n in meta_fields)
 
-        def unflatten(meta, children):
-            obj = object.__new__(cls)
+        def unflatten(meta: tuple[Any, ...], children: Iterable[Any]) -> Any:
+            obj: Any = object.__new__(cls)
             for name, value in (*zip(meta_fields, meta), *zip(data_fields, children)):
                 object.__setattr__(obj, name, value)
             return obj
@@ -178,7 +183,7 @@ class NoOpLossScale(LossScale):
     """
 
     @property
-    def loss_scale(self) -> np.ndarray:
+    def loss_scale(self) -> np.float32:
         return np.float32(1.0)
 
     def scale(self, tree: T) -> T:
@@ -219,7 +224,7 @@ class StaticLossScale(LossScale):
             )
         if value == 0:
             # jmp accepts it (its own tests build one); it zeroes every gradient.
-            warnings.warn("StaticLossScale(0) scales every gradient to zero.")
+            warnings.warn("StaticLossScale(0) scales every gradient to zero.", stacklevel=3)
         object.__setattr__(self, "loss_scale", value)
 
     def scale(self, tree: T) -> T:
@@ -285,8 +290,8 @@ class DynamicLossScale(LossScale):
     32768.0
     """
 
-    loss_scale: jax.Array
-    counter: jax.Array = dataclasses.field(
+    loss_scale: jax.typing.ArrayLike  # a float32 jax.Array once constructed
+    counter: jax.typing.ArrayLike = dataclasses.field(
         default_factory=lambda: np.zeros([], np.int32)
     )
     period: int = 2000
@@ -294,7 +299,7 @@ class DynamicLossScale(LossScale):
     min_loss_scale: float = 1.0
     max_loss_scale: float = float(np.finfo(np.float32).max)
     hysteresis: int = 1
-    overflows: jax.Array | None = None
+    overflows: jax.typing.ArrayLike | None = None
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -311,7 +316,8 @@ class DynamicLossScale(LossScale):
             )
         set_("period", int(period))
         # A jax.Array counter (e.g. from an eager `adjust`) is not read back.
-        if not isinstance(given_counter, jax.Array) and not 0 <= int(given_counter) < period:
+        counter_value = None if isinstance(given_counter, jax.Array) else int(np.asarray(given_counter))
+        if counter_value is not None and not 0 <= counter_value < period:
             raise ValueError(
                 f"counter must be in [0, period) = [0, {int(period)}), got {given_counter!r}."
             )
@@ -379,7 +385,7 @@ class DynamicLossScale(LossScale):
         floor = np.float32(max(self.min_loss_scale, _TINY))
         backed_off = jnp.maximum(scale / np.float32(self.factor), floor)
 
-        if self.hysteresis == 1:
+        if self.hysteresis == 1 or self.overflows is None:  # None iff hysteresis == 1
             back_off, overflows = ~grads_finite, None
         else:
             seen = self.overflows + (~grads_finite).astype(jnp.int32)
@@ -387,7 +393,7 @@ class DynamicLossScale(LossScale):
             overflows = jnp.where(back_off | grow, 0, seen).astype(jnp.int32)
 
         new_scale = jnp.where(grow, grown, jnp.where(back_off, backed_off, scale))
-        counter = jnp.where(grads_finite, (self.counter + 1) % self.period, 0)
+        counter = jnp.where(grads_finite, (jnp.asarray(self.counter) + 1) % self.period, 0)
         return dataclasses.replace(
             self,
             loss_scale=new_scale,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -63,8 +63,8 @@ def widest(dtypes: Iterable[np.dtype]) -> np.dtype:
 # CPUs these dots are emitted as a [B, K, M] x [B, K, N] product, which
 # XLA:CPU computes in float32 from the bf16 operands (the same values). Other
 # CPUs and other platforms get the dot as written.
-# JMP_POLICY_CPU_BF16_DOT_WORKAROUND=1 or 0 forces it on or off (to check a
-# newer jaxlib).
+# JMP_POLICY_CPU_BF16_DOT_WORKAROUND=1 or 0 forces it on or off (to check a newer
+# jaxlib).
 def cpu_bf16_dot_workaround(env: Mapping[str, str] = os.environ, cpuinfo: str | None = None) -> bool:
     """Whether bf16 x bf16 -> f32 dots on CPU take the form XLA:CPU can run."""
     forced = env.get("JMP_POLICY_CPU_BF16_DOT_WORKAROUND")
@@ -130,7 +130,8 @@ def product_of(eqn: ji.JaxprEqn) -> Product:
 def _accumulate_in_float32(eqn: ji.JaxprEqn, invals: list[Any]) -> Any:
     """Runs one equation of a transposed product: products accumulate into float32."""
     if eqn.primitive in (ji.dot_general_p, ji.conv_general_dilated_p):
-        return product_of(eqn)(*invals, F32)
+        lhs, rhs = invals
+        return product_of(eqn)(lhs, rhs, F32)
     # Layout ops between products (transpose, reshape, rev, pad) take the
     # widest input dtype, so a float32 partial result is never rounded to half.
     floats = [x.dtype for x in invals if is_float(x)]
@@ -216,7 +217,7 @@ def _check_shapes(op: Callable, lhs: Any, rhs: Any, name: str) -> None:
         ) from None
 
 
-def _half_compute_dtype(compute_dtype, lhs, rhs) -> np.dtype:
+def _half_compute_dtype(compute_dtype: Any, lhs: jax.Array, rhs: jax.Array) -> np.dtype:
     """`compute_dtype` checked, or by default the operands' half dtype (else bfloat16)."""
     if compute_dtype is None:
         # float16 operands stay float16: bfloat16 would drop 3 mantissa bits.
@@ -234,22 +235,22 @@ def _half_compute_dtype(compute_dtype, lhs, rhs) -> np.dtype:
     return dtype
 
 
-def _result_dtype(lhs, rhs, preferred_element_type) -> np.dtype:
+def _result_dtype(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any) -> np.dtype:
     if preferred_element_type is not None:
         return np.dtype(preferred_element_type)
     return widest([lhs.dtype, rhs.dtype])
 
 
 def half_dot_general(
-    lhs,
-    rhs,
-    dimension_numbers,
-    precision=None,
-    preferred_element_type=None,
+    lhs: jax.typing.ArrayLike,
+    rhs: jax.typing.ArrayLike,
+    dimension_numbers: lax.DotDimensionNumbers,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
     *,
-    out_sharding=None,
-    compute_dtype=None,
-):
+    out_sharding: Any = None,
+    compute_dtype: jax.typing.DTypeLike | None = None,
+) -> jax.Array:
     """`lax.dot_general` on half operands with float32 accumulation in both passes.
 
     A drop-in for `lax.dot_general` (same arguments and result dtype), e.g. for
@@ -308,20 +309,20 @@ def half_dot_general(
 
 
 def half_conv_general_dilated(
-    lhs,
-    rhs,
-    window_strides,
-    padding,
-    lhs_dilation=None,
-    rhs_dilation=None,
-    dimension_numbers=None,
-    feature_group_count=1,
-    batch_group_count=1,
-    precision=None,
-    preferred_element_type=None,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    window_strides: Sequence[int],
+    padding: str | Sequence[tuple[int, int]],
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers: lax.ConvGeneralDilatedDimensionNumbers = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
     *,
-    compute_dtype=None,
-):
+    compute_dtype: jax.typing.DTypeLike | None = None,
+) -> jax.Array:
     """`lax.conv_general_dilated` on half operands, float32 accumulation in both passes.
 
     The convolution counterpart of `half_dot_general`, a drop-in for Flax's

@@ -85,7 +85,7 @@ def _to_float_dtype(value: Any, field: str) -> np.dtype:
         except Exception:  # numpy raises TypeError, ValueError, even SyntaxError.
             pass
     # Only the dtypes the spec grammar can name, so that `str` round-trips.
-    if dtype not in _DTYPE_NAMES:
+    if dtype is None or dtype not in _DTYPE_NAMES:
         raise TypeError(
             f"Policy.{field} must be float16, bfloat16, float32 or float64 (a dtype "
             f"or one of the names {_ACCEPTED_DTYPES}), got {value!r}."

@@ -1,1 +1,4 @@
-"""The Flax integrations (linen, NNX) and their shared rule engine: the only place Flax is imported."""
+"""The Flax integrations (linen, NNX) and their shared rule engine.
+
+The only place Flax is imported.
+"""

@@ -14,7 +14,8 @@ import contextlib
 import contextvars
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -111,7 +112,7 @@ def _should_remat(module: nn.Module, method_name: str, policy: Policy) -> bool:
     )
 
 
-def _make_interceptor(rules, remat_norms: bool) -> Callable:
+def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
     def interceptor(next_fun, args, kwargs, context):
         # `setup` included: parameters created there (nn.Embed's) must take the
         # module's param dtype, also where a rule changes it.
@@ -269,7 +270,9 @@ def with_policy(
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         token = _ACTIVE_POLICY.set(policy)
-        seen_token = _SEEN.set((paths := set(), matched := set()))
+        paths: set[str] = set()
+        matched: set[str] = set()
+        seen_token = _SEEN.set((paths, matched))
         try:
             with nn.intercept_methods(interceptor):
                 if entry is None:
@@ -301,7 +304,7 @@ def with_policy(
     return wrapped
 
 
-def _params_to_param_dtype(variables, policy: Policy):
+def _params_to_param_dtype(variables: Any, policy: Policy) -> Any:
     # Modules without a `param_dtype` attribute create float32 parameters.
     if "params" not in variables:
         return variables

@@ -18,6 +18,7 @@ traces again for a module under another policy (no stale trace).
 from __future__ import annotations
 
 import functools
+from collections.abc import Container
 from typing import Any, TypeVar
 
 import jax.numpy as jnp
@@ -76,7 +77,7 @@ def _path_str(path: PathParts) -> str:
     return "/".join(str(p) for p in path)
 
 
-def _nearest_prefix(path: PathParts, paths) -> PathParts:
+def _nearest_prefix(path: PathParts, paths: Container[PathParts]) -> PathParts:
     """The longest proper prefix of `path` in `paths`: a node's module, a module's parent."""
     for i in range(len(path) - 1, 0, -1):
         if path[:i] in paths:
@@ -237,11 +238,13 @@ class PolicyModule(nnx.Module):
     (dtype('float32'), dtype('float32'), dtype(bfloat16))
     """
 
-    def __init__(self, module: nnx.Module, policy: PolicyLike, *, rules: Rules | None = None):
+    def __init__(
+        self, module: nnx.Module, policy: PolicyLike, *, rules: Rules | None = None
+    ) -> None:
         self.policy = get_policy(policy)
         self.module = with_policy(module, self.policy, rules=rules)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self.policy.cast_to_compute((args, kwargs))
         return self.policy.cast_to_output(self.module(*args, **kwargs))
 

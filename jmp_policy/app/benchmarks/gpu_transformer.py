@@ -309,13 +309,13 @@ VARIANTS = (
 )
 
 
-def _loss_fn(apply: Callable, params, tokens) -> jax.Array:
+def _loss_fn(apply: Callable, params: Any, tokens: jax.Array) -> jax.Array:
     """Next-token cross-entropy, computed in float32 whatever the logits' dtype."""
     logits = apply(params, tokens[:, :-1]).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def _build(variant: Variant, cfg: Config):
+def _build(variant: Variant, cfg: Config) -> tuple[Any, Callable, Any, Callable]:
     """`(model, apply, tx, step)` of a variant; `step(params, opt_state, tokens)`."""
     if variant.needs_matmul_dtype and not HAS_MATMUL_DTYPE:
         raise LookupError("Policy has no matmul_dtype field in this version")
@@ -409,7 +409,7 @@ def _run(cfg: Config, size: str, budget_s: float, log: _Log) -> dict:
             precision = (jax.default_matmul_precision(variant.precision) if variant.precision
                          else contextlib.nullcontext())
             with precision:
-                fn = jax.jit(step).lower(params, opt_state, tokens).compile()
+                fn: Callable = jax.jit(step).lower(params, opt_state, tokens).compile()
             entry["compile_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             _, _, loss = jax.block_until_ready(fn(params, opt_state, tokens))
@@ -417,7 +417,7 @@ def _run(cfg: Config, size: str, budget_s: float, log: _Log) -> dict:
             entry["loss"] = float(loss)
             if not np.isfinite(entry["loss"]):
                 raise FloatingPointError(f"non-finite loss {entry['loss']}")
-        except Exception as e:  # noqa: BLE001 (a variant that fails must not stop the others)
+        except Exception as e:  # A variant that fails must not stop the others.
             entry.update(status="failed", reason=f"{type(e).__name__}: {e}"[:500])
             log(f"{variant.name}: FAILED, {entry['reason']}")
             traceback.print_exc()
@@ -428,7 +428,7 @@ def _run(cfg: Config, size: str, budget_s: float, log: _Log) -> dict:
             f"first step {entry['first_step_s']:.2f} s, loss {entry['loss']:.4f}")
 
     names = list(compiled)
-    times: dict[str, list[float | None]] = {n: [] for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
     rounds, round_s = 0, 0.0
     while names and rounds < cfg.max_rounds:
         left = budget_s - (time.monotonic() - start)
@@ -467,15 +467,15 @@ def _run(cfg: Config, size: str, budget_s: float, log: _Log) -> dict:
     log(header)
     log("-" * len(header))
     for variant in VARIANTS:
-        e = results[variant.name]
-        if e["status"] != "ok":
-            log(f"{variant.name:<32} {e['status']}: {e.get('reason', '')}")
+        r = results[variant.name]
+        if r["status"] != "ok":
+            log(f"{variant.name:<32} {r['status']}: {r.get('reason', '')}")
             continue
-        log(f"{variant.name:<32} {e['step_ms_median']:>9.2f} {e['tokens_per_s']:>11,.0f} "
-            f"{fmt(e['speedup_vs_float32'], '.3f'):>10} "
-            f"{fmt(e['speedup_vs_flax_bf16'], '.3f'):>12} "
-            f"{fmt(e['mfu'] and 100 * e['mfu'], '.1f') + ('%' if e['mfu'] else ''):>7} "
-            f"{e['compile_s']:>10.1f}")
+        log(f"{variant.name:<32} {r['step_ms_median']:>9.2f} {r['tokens_per_s']:>11,.0f} "
+            f"{fmt(r['speedup_vs_float32'], '.3f'):>10} "
+            f"{fmt(r['speedup_vs_flax_bf16'], '.3f'):>12} "
+            f"{fmt(r['mfu'] and 100 * r['mfu'], '.1f') + ('%' if r['mfu'] else ''):>7} "
+            f"{r['compile_s']:>10.1f}")
 
     on_gpu = jax.default_backend() == "gpu" and size == "gpu"
     targets = {
@@ -531,7 +531,9 @@ def fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def _target(results, name, key, test, text) -> dict:
+def _target(
+    results: dict, name: str, key: str, test: Callable[[float], bool], text: str
+) -> dict:
     value = results.get(name, {}).get(key)
     return {"value": value, "target": text, "met": None if value is None else bool(test(value))}
 

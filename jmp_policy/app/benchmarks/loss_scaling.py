@@ -9,7 +9,7 @@ steps:
 
   plain optax adam            baseline: no scaling, no check
   loss_scaled Dynamic         jmp_policy.loss_scaled(adam, DynamicLossScale(2**15)),
-                              the train step of design.md
+                              the README's train step
   loss_scaled NoOp            jmp_policy.loss_scaled(adam, NoOpLossScale())
   optax apply_if_finite       optax.apply_if_finite(adam, max_consecutive_errors=5)
   flax DynamicScale           flax.training.dynamic_scale.DynamicScale:
@@ -17,7 +17,7 @@ steps:
   jmp by hand                 the jmp 0.0.4 README recipe: scale the loss, unscale
                               the grads, all_finite, adjust, select_tree
 
-for a small model (4 x 256, batch 64: the reference in design.md) and a larger
+for a small model (4 x 256, batch 64: the reference size) and a larger
 one (4 x 1024, batch 256).
 
 How
@@ -25,7 +25,7 @@ How
 * Every variant starts from the same parameters and sees the same batch; every
   step function is `jax.jit(step)` and returns `(new_state, loss)`. With
   `--donate`, every variant donates its whole training state
-  (`donate_argnums=0`); without, none does (design.md's train step). The
+  (`donate_argnums=0`); without, none does (as the README's train step). The
   choice matters: XLA inserts copies of the optimizer state into the
   select-based variants when the state is donated, and into the
   `lax.cond`-based ones (`apply_if_finite`) when it is not.
@@ -47,7 +47,7 @@ How
   ratio to plain optax, taken as the median over rounds of the per-round
   paired ratio (robust to drifts in the machine's speed).
 
-Target (design.md): `loss_scaled` with `DynamicLossScale` at most 1.02x plain
+Target (the project's): `loss_scaled` with `DynamicLossScale` at most 1.02x plain
 optax on the small model.
 
 Usage::
@@ -62,7 +62,8 @@ import argparse
 import dataclasses
 import gc
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -164,7 +165,7 @@ def jmp_policy_loss_scaled(
     name: str,
     loss_scaled: Callable[..., optax.GradientTransformation] = jmp_policy.loss_scaled,
 ) -> Variant:
-    """The train step of design.md, with `tx = loss_scaled(adam, loss_scale)`."""
+    """The README's train step, with `tx = loss_scaled(adam, loss_scale)`."""
     tx = loss_scaled(optax.adam(LEARNING_RATE), loss_scale)
 
     def step(state, x, y):
@@ -198,7 +199,10 @@ def flax_dynamic_scale(problem: Problem) -> Variant:
         ds, is_fin, loss, grads = grad_fn(params, x, y)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(is_fin, a, b), new, old)
+
+        def keep(new, old):
+            return jax.tree.map(lambda a, b: jnp.where(is_fin, a, b), new, old)
+
         return (keep(new_params, params), keep(new_opt_state, opt_state), ds), loss
 
     return Variant("flax DynamicScale", init, step)
@@ -297,8 +301,8 @@ def time_interleaved(
     rough = (time.perf_counter() - t0) / (warmup_steps * len(steps))
     k = max(1, round(sample_s / rough))
 
-    wall = [[] for _ in variants]
-    cpu = [[] for _ in variants]
+    wall: list[list[float]] = [[] for _ in variants]
+    cpu: list[list[float]] = [[] for _ in variants]
     n = len(variants)
     gc.collect()
     gc.disable()
@@ -435,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--donate",
         action="store_true",
         help="donate the whole training state to every step (default: no "
-        "donation, as in design.md's train step)",
+        "donation, as in the README's train step)",
     )
     parser.add_argument(
         "--clock",

@@ -1,0 +1,154 @@
+"""Helpers shared by the test files: reading lowered programs, comparing bits.
+
+Import them as `from helpers import ...` (pytest puts `tests/` on `sys.path`).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# --------------------------------------------------------------------------
+# Reading the ops of lowered StableHLO text (`jax.jit(f).lower(...).as_text()`).
+
+# MLIR element type names -> numpy dtypes.
+MLIR_DTYPES = {
+    "bf16": np.dtype(jnp.bfloat16),
+    "f16": np.dtype(np.float16),
+    "f32": np.dtype(np.float32),
+    "f64": np.dtype(np.float64),
+}
+CONTRACTIONS = ("dot_general", "dot", "convolution")
+
+# An op's line: `%3 = stablehlo.add ...`, `stablehlo.return ...` or the
+# generic form `%0 = "stablehlo.while"(...)`.
+_OP = re.compile(r"^\s*(?:%[^=]+=\s*)?\"?stablehlo\.([a-z_]+)")
+_TENSOR = re.compile(r"tensor<([^>]*)>")
+_CONTRACTION_ANYWHERE = re.compile(r"stablehlo\.(dot_general|dot|convolution)\b")
+
+
+class HloOp(NamedTuple):
+    """One StableHLO op: its name and the types of its operands and results.
+
+    A type is the text inside `tensor<...>`, e.g. "2x8x16xbf16" or "f32".
+    """
+
+    name: str
+    operands: tuple[str, ...]
+    results: tuple[str, ...]
+    line: str
+
+    @property
+    def operand_types(self) -> tuple[str, ...]:
+        """The element types of the operands, e.g. ("bf16", "bf16")."""
+        return tuple(t.split("x")[-1] for t in self.operands)
+
+    @property
+    def result_types(self) -> tuple[str, ...]:
+        return tuple(t.split("x")[-1] for t in self.results)
+
+    @property
+    def operand_dtypes(self) -> tuple[np.dtype, ...]:
+        return tuple(_dtype(t) for t in self.operand_types)
+
+    @property
+    def result_dtype(self) -> np.dtype:
+        (result,) = self.result_types
+        return _dtype(result)
+
+    def has_dim(self, size: int) -> bool:
+        """Whether an operand or result has a dimension of `size`."""
+        return any(str(size) in t.split("x")[:-1] for t in (*self.operands, *self.results))
+
+
+def _dtype(name: str) -> np.dtype:
+    if name not in MLIR_DTYPES:
+        raise ValueError(f"unexpected element type {name!r}")
+    return MLIR_DTYPES[name]
+
+
+def hlo_ops(text: str, names: tuple[str, ...] | None = None) -> list[HloOp]:
+    """Every op of a StableHLO module (or those named in `names`), in order.
+
+    MLIR prints an op on one line with its signature last, `: (operands) ->
+    results`, or `: type` when operands and result share one type. A matmul or
+    convolution whose types cannot be read raises, so none is silently missed.
+
+    >>> text = ("%3 = stablehlo.dot_general %1, %2, contracting_dims = [1] x [0] : "
+    ...         "(tensor<2x16xbf16>, tensor<16x8xbf16>) -> tensor<2x8xf32>\\n"
+    ...         "%4 = stablehlo.add %3, %3 : tensor<2x8xf32>")
+    >>> [(op.name, op.operand_types, op.result_types) for op in hlo_ops(text)]
+    [('dot_general', ('bf16', 'bf16'), ('f32',)), ('add', ('f32',), ('f32',))]
+    """
+    found = []
+    for line in text.splitlines():
+        match = _OP.match(line)
+        if match is None or (names is not None and match[1] not in names):
+            continue
+        if " : " not in line:
+            if match[1] in CONTRACTIONS:
+                raise ValueError(f"cannot read the operand types of: {line.strip()}")
+            continue
+        signature = line.rsplit(" : ", 1)[1]
+        ins, outs = signature.split("->", 1) if "->" in signature else (signature, signature)
+        found.append(HloOp(match[1], tuple(_TENSOR.findall(ins)), tuple(_TENSOR.findall(outs)), line))
+    wanted = CONTRACTIONS if names is None else tuple(n for n in names if n in CONTRACTIONS)
+    seen = sum(op.name in wanted for op in found)
+    in_text = sum(m[1] in wanted for m in _CONTRACTION_ANYWHERE.finditer(text))
+    if seen != in_text:  # A contraction printed in a form the pattern missed.
+        raise ValueError(f"read {seen} of the {in_text} contractions {wanted} in the text")
+    return found
+
+
+def contractions(text: str) -> list[HloOp]:
+    """Every `dot_general`, `dot` and `convolution` of a StableHLO module, in order."""
+    return hlo_ops(text, CONTRACTIONS)
+
+
+def lowered_ops(fn: Any, *args: Any, platform: str | None = None) -> list[HloOp]:
+    """The ops of `jax.jit(fn)` lowered for this machine, or for `platform` (e.g.
+    "cuda": no GPU needed)."""
+    if platform is None:
+        text = jax.jit(fn).lower(*args).as_text()
+    else:
+        text = jax.export.export(jax.jit(fn), platforms=[platform])(*args).mlir_module()
+    return hlo_ops(text)
+
+
+# --------------------------------------------------------------------------
+# Bit-for-bit comparison.
+
+
+def bits(x: Any) -> tuple[np.dtype, tuple[int, ...], bytes]:
+    """A leaf's dtype, shape and bytes: equal iff the arrays are identical bit for
+    bit (NaN payloads and the sign of zero included)."""
+    x = np.asarray(x)
+    return x.dtype, x.shape, x.tobytes()
+
+
+def assert_bitwise_equal(a: Any, b: Any) -> None:
+    """Asserts two pytrees have the same structure and bit-identical leaves."""
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    assert ta == tb, (ta, tb)
+    for i, (x, y) in enumerate(zip(la, lb, strict=True)):
+        assert bits(x) == bits(y), f"leaf {i} of {ta} differs: {x!r} != {y!r}"
+
+
+# --------------------------------------------------------------------------
+# Files.
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path: pathlib.Path) -> None:
+    """Asserts `path` holds a PNG image with a header and some content."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert len(data) > 1000
+    assert data[12:16] == b"IHDR"
