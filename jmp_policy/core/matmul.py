@@ -389,14 +389,20 @@ def fp8_scale(x: jax.Array, fp8_max: float) -> jax.Array:
 
 
 def fp8_quantize(x: jax.Array, scale: jax.Array, dtype: np.dtype, fp8_max: float) -> jax.Array:
-    """`x / scale` rounded to the FP8 `dtype` (NaN stays NaN; nothing saturates silently
-    but the float32 rounding of an exact power-of-two division, which cannot overflow)."""
+    """`x / scale` rounded to the FP8 `dtype`.
+
+    A finite `x / scale` is within +-fp8_max (the scale covers the amax); the
+    clip only guards the float32 rounding at the edge, and keeps NaN (an inf
+    operand has an inf scale, so inf / inf is NaN: non-finite stays so).
+    """
     scaled = x.astype(F32) / scale
     # `clip` keeps NaN; a finite x / scale is already within +-fp8_max.
     return lax.convert_element_type(jnp.clip(scaled, -fp8_max, fp8_max), dtype)
 
 
-def _transposed_products(product: Product, lhs, rhs, g, rule) -> tuple[Any, Any]:
+def _transposed_products(
+    product: Product, lhs: Any, rhs: Any, g: Any, rule: Callable[[ji.JaxprEqn, list[Any]], Any]
+) -> tuple[Any, Any]:
     """`(d lhs, d rhs)` of `product(lhs, rhs)` for cotangent `g`, each product run by `rule`.
 
     JAX's own transpose rules are traced on float32 stand-ins of the operands'
@@ -449,14 +455,14 @@ def fp8_product(product: Product, lhs: Any, rhs: Any, out_dtype: np.dtype) -> ja
 
 
 def fp8_dot_general(
-    lhs,
-    rhs,
-    dimension_numbers,
-    precision=None,
-    preferred_element_type=None,
+    lhs: jax.typing.ArrayLike,
+    rhs: jax.typing.ArrayLike,
+    dimension_numbers: lax.DotDimensionNumbers,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
     *,
-    out_sharding=None,
-):
+    out_sharding: Any = None,
+) -> jax.Array:
     """`lax.dot_general` in FP8 (e4m3 forward, e5m2 gradients), float32 accumulation.
 
     A drop-in for `lax.dot_general` (same arguments and result dtype), e.g. for
