@@ -207,10 +207,13 @@ def test_transformer_mixed_float8_rule_keeps_head_in_bf16(lm, lm_setup):
 
 
 def test_hand_wired_dot_general_follows_the_policy(lm, lm_setup):
-    # The benchmark's f32acc model (half_dot_general wired in by hand): the
-    # policy's matmul dtype decides, as `dtype` does.
+    # The benchmark's f32acc model (its copy of the example's model, with
+    # half_dot_general wired in by hand): the policy's matmul dtype decides,
+    # as `dtype` does.
+    from jmp_policy.app.benchmarks import _transformer_lm
+
     model, params, tx, opt_state, batch = lm_setup
-    wired = lm.make_model(model.vocab_size, dot_general=jmp.half_dot_general)
+    wired = _transformer_lm.make_model(model.vocab_size, dot_general=jmp.half_dot_general)
     apply = jmp.with_policy(wired.apply, "mixed_float8")
     counts = dot_types(lowered_train_step(lm, apply, params, tx, opt_state, batch))
     assert assert_fp8(counts) == LM_FORWARD_DOTS
