@@ -307,22 +307,25 @@ class Residual(nn.Module):
         return x + nn.Dense(x.shape[-1])(x)
 
 
-def test_module_after_float32_layernorm_gets_compute_dtype_input():
-    # Without the cast of module inputs, the float32 LayerNorm output would
-    # meet the bf16 Dense output in `x + ...`: a silent float32 residual stream
-    # under standard promotion, an error under strict.
+def test_module_without_dtype_gets_what_it_is_given_unless_a_rule_names_it():
+    # The input rule: a module doing its own `jnp` maths (no `dtype` attribute)
+    # computes on what it is given, as in a hand-written model: after a float32
+    # LayerNorm, its residual is float32 (standard promotion), while its Dense
+    # still multiplies in half. A rule naming the module casts its inputs.
     model = nn.Sequential([nn.LayerNorm(), Residual(), nn.Dense(4)])
     x = jnp.ones((2, 8))
     variables = jax.eval_shape(model.init, jax.random.key(0), x)
-    apply = with_policy(model.apply, "mixed_bfloat16", rules={nn.LayerNorm: "f32"})
-    SEEN.clear()
-    _, state = jax.eval_shape(lambda v: apply(v, x, capture_intermediates=True), variables)
-    out = state["intermediates"]
-    assert SEEN["residual input"] == BF16
-    assert out["layers_0"]["__call__"][0].dtype == F32
-    assert out["layers_1"]["__call__"][0].dtype == BF16
-    found = contractions(jax.jit(apply).lower(variables, x).as_text())
-    assert compute_dtypes(found) == [BF16, BF16]
+    for rules, residual in [({nn.LayerNorm: "f32"}, F32), ({nn.LayerNorm: "f32", Residual: "mixed_bfloat16"}, BF16)]:
+        apply = with_policy(model.apply, "mixed_bfloat16", rules=rules)
+        SEEN.clear()
+        with jax.numpy_dtype_promotion("standard"):
+            _, state = jax.eval_shape(lambda v: apply(v, x, capture_intermediates=True), variables)
+            found = contractions(jax.jit(apply).lower(variables, x).as_text())
+        out = state["intermediates"]
+        assert SEEN["residual input"] == residual
+        assert out["layers_0"]["__call__"][0].dtype == F32
+        assert out["layers_1"]["__call__"][0].dtype == residual
+        assert compute_dtypes(found) == [BF16, BF16]
 
 
 def test_train_step_keeps_params_grads_and_optimizer_state_in_param_dtype():
