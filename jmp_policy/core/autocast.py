@@ -184,6 +184,18 @@ def _custom_jvp_rule(eqn, invals, rules):
     return f(*args)
 
 
+def _shard_map_rule(eqn, invals, rules):
+    # The per-device program is rewritten inside a new `shard_map` over the
+    # same mesh and specs; its inputs and results keep their dtypes.
+    jaxpr = ji.shard_map_body(eqn)
+    out_dtypes = [v.aval.dtype for v in jaxpr.outvars]
+
+    def body(*args):
+        return tuple(_outputs_as(_eval(jaxpr, (), args, rules), out_dtypes))
+
+    return list(jax.shard_map(body, **ji.shard_map_options(eqn))(*_as_original(eqn, invals)))
+
+
 _HIGHER_ORDER = {p: _control_flow_rule for p in ji.CONTROL_FLOW_JAXPR_PARAMS}
 _HIGHER_ORDER.update({p: _call_rule for p in ji.CALL_JAXPR_PARAM})
 _HIGHER_ORDER[ji.remat_p] = _remat_rule
@@ -206,6 +218,8 @@ def _apply(eqn, invals, rules):
     prim, name = eqn.primitive, eqn.primitive.name
     if prim in _HIGHER_ORDER:
         return _HIGHER_ORDER[prim](eqn, invals, rules)
+    if ji.is_shard_map(eqn):
+        return _shard_map_rule(eqn, invals, rules)
     if prim is ji.convert_element_type_p:
         x, new_dtype = invals[0], np.dtype(eqn.params["new_dtype"])
         return x if x.dtype == new_dtype else ji.bind(eqn, invals)
@@ -240,6 +254,21 @@ def _trace_and_eval(fn, args, rules):
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*values)
     outs = _eval(closed.jaxpr, closed.consts, values, rules)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+# Handlers for arguments holding state that `fn` updates in place (Flax NNX
+# modules): `handler(run, fn, args, kwargs)` returns `fn`'s result, running a
+# pure function of that state through `run(pure_fn, args, kwargs)` and writing
+# the new state back, or `NotImplemented` if the call holds no such state.
+# The core knows no framework: the package registers the Flax NNX handler.
+StateHandler = Callable[[Callable, Callable, tuple, dict], Any]
+_STATE_HANDLERS: list[StateHandler] = []
+
+
+def register_state_handler(handler: StateHandler) -> None:
+    """Lets `autocast` thread a framework's mutable state through the traced program."""
+    if handler not in _STATE_HANDLERS:
+        _STATE_HANDLERS.append(handler)
 
 
 def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
@@ -322,9 +351,18 @@ def autocast(
         promote=_primitive_names(promote_primitives, "promote_primitives"),
     )
 
-    @functools.wraps(fn)
+    def run(g, args, kwargs):
+        return _trace_and_eval(lambda a, k: g(*a, **k), (args, kwargs), rules)
+
+    # Not `functools.wraps`: it would copy `fn.__dict__`, and with it the
+    # `lower` of a `jax.pmap` or `jax.jit` function, which lowers the
+    # original program.
+    @functools.wraps(fn, updated=())
     def wrapped(*args, **kwargs):
-        outs = _trace_and_eval(lambda a, k: fn(*a, **k), (args, kwargs), rules)
-        return policy.cast_to_output(outs)
+        for handler in _STATE_HANDLERS:
+            outs = handler(run, fn, args, kwargs)
+            if outs is not NotImplemented:
+                return policy.cast_to_output(outs)
+        return policy.cast_to_output(run(fn, args, kwargs))
 
     return wrapped

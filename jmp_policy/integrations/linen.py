@@ -178,9 +178,10 @@ def _keeper(fn: Callable, names: frozenset[str], skip_first: bool) -> Callable[[
     params = params[1:] if skip_first else params
     unknown = sorted(names - {p.name for p in params})
     if unknown:
+        inner = _unwrap_partial(fn)[0]
         raise ValueError(
-            f"keep_inputs names {unknown[0]!r}, which is not a parameter of "
-            f"{getattr(fn, '__qualname__', fn)!r}; its parameters are "
+            f"keep_inputs names {unknown[0]!r}, which is not an argument of "
+            f"{getattr(inner, '__qualname__', inner)}; its arguments are "
             f"{[p.name for p in params]}."
         )
     positional = [
@@ -228,16 +229,21 @@ def _make_interceptor(rules, remat_norms: bool) -> Callable:
         overrides = _attribute_overrides(module, policy)
         saved = {name: getattr(module, name) for name in overrides}
         token = _ACTIVE_POLICY.set(policy)
-        top, call.top = call.top, False
+        # The model's own call: the first one, `setup` aside (Flax runs it first).
+        top = call.top and context.method_name != "setup"
+        call.top = call.top and not top
         given = args
-        # Which inputs are cast (see `with_policy`): the model's own (its root
-        # policy decides), a layer's and those of a module a rule names; a
-        # module doing its own `jnp` maths gets what it is given.
-        if top:
-            keep = _keeper(context.orig_method, call.keep_inputs, skip_first=True)
+        # Which inputs are cast (see `with_policy`): a layer's and those of a
+        # module a rule names, the model itself included (but not the
+        # arguments `keep_inputs` names); a module doing its own `jnp` maths
+        # gets what it is given, as in a model written by hand.
+        keep = (
+            _keeper(context.orig_method, call.keep_inputs, skip_first=False)
+            if top
+            else lambda key: False
+        )
+        if (named or _is_layer(module)) and not _keeps_its_dtypes(module):
             args, kwargs = _cast_inputs(policy, args, kwargs, keep)
-        elif (named or _is_layer(module)) and not _keeps_its_dtypes(module):
-            args, kwargs = policy.cast_to_compute((args, kwargs))
         # Linen modules are frozen dataclasses: set the attributes for the
         # duration of this call only, and put the user's values back after.
         for name, value in overrides.items():
