@@ -22,7 +22,9 @@ casts back, still returns bf16). Nested programs are rewritten too: `jit` and
 `checkpoint` as if inlined; `custom_jvp` functions (`jax.nn.relu`,
 `jax.nn.softmax`, ...) and their JVP rules, on inputs of the dtypes the rule
 was written for; `scan`, `while_loop` and `cond` with the input and output
-dtypes of the original, so loop carries and branches stay type-correct.
+dtypes of the original, so loop carries and branches stay type-correct;
+`shard_map` (and so `jax.pmap`) bodies inside a new `shard_map` over the same
+mesh and specs, their inputs and results in the original dtypes.
 
 Matmuls and convolutions run through `jmp_policy.core.matmul`, whose custom VJP
 keeps the backward products half x half with float32 accumulation too.
@@ -305,11 +307,17 @@ def autocast(
     `fn` again, so call it under `jax.jit`.
 
     Composes with `jax.jit`, `jax.grad`, `jax.vmap`, `lax.scan` and
-    `jax.checkpoint` on either side. Autocast of an autocast function: the
-    inner one decides for the operations inside it. Not supported: forward-mode
-    differentiation (`jax.jvp`, `jax.jacfwd`) through the half matmuls, which
-    carry a `jax.custom_vjp`; user `custom_vjp` functions and `shard_map`
-    bodies run as written.
+    `jax.checkpoint` on either side; the bodies of `jax.shard_map` and
+    `jax.pmap` (which JAX 0.10 runs as a `shard_map`) are rewritten too. Autocast of
+    an autocast function: the inner one decides for the operations inside it.
+    Flax NNX modules that update their state (BatchNorm statistics, `Rngs`)
+    work as `fn` (`autocast(model, policy)(x)`), as a bound method, or as
+    arguments (`autocast(step, policy)(model, x)`), eagerly and under
+    `nnx.jit`: their state is threaded through the traced program and written
+    back; a module `fn` merely closes over gets a `TypeError` saying so. Not
+    supported: forward-mode differentiation (`jax.jvp`, `jax.jacfwd`) through
+    the half matmuls, which carry a `jax.custom_vjp`; user `custom_vjp`
+    functions run as written.
 
     Args:
       fn: the function to transform.

@@ -3,9 +3,12 @@
 Flax linen modules take `dtype` (computation) and `param_dtype` (storage)
 attributes. `with_policy` sets them on every module as it is called, through
 a linen method interceptor, so a model written without precision in mind
-runs under any policy. A module's floating inputs are cast to its compute
+runs under any policy. A layer's floating inputs are cast to its compute
 dtype as well: without that, the float32 output of a float32 LayerNorm would
-promote the next matmul back to float32 (a silent loss of Tensor Cores).
+promote the next matmul back to float32 (a silent loss of Tensor Cores). A
+module of the user's own without a `dtype` attribute gets its inputs as
+given (its plain `jnp` maths may need their precision), and the carries of
+lifted loops (`nn.scan`, `nn.RNN`, `nn.while_loop`) keep their dtypes.
 """
 
 from __future__ import annotations
@@ -302,15 +305,42 @@ def with_policy(
 ) -> Callable:
     """Returns `fn` running under a mixed precision policy.
 
-    For a Flax linen `model.apply`, every module computes in the compute dtype
-    (its `dtype` attribute is set for the call, also where it was `None` or
-    float32) and its floating inputs are cast to that dtype; parameters stay
-    stored in the param dtype and are cast inside each module, so gradients
-    come back in the param dtype. The model's inputs are cast to compute and
-    its result to output; mutable collections (`batch_stats`) are returned as
-    the modules keep them (float32). `model.init` and `model.init_with_output`
-    create parameters in the param dtype. Any other function has its floating
-    arguments cast to compute and its result to output.
+    For a Flax linen `model.apply` (or a `functools.partial` of it), every
+    module computes in the compute dtype (its `dtype` attribute is set for the
+    call, also where it was `None` or float32); parameters stay stored in the
+    param dtype and are cast inside each module, so gradients come back in the
+    param dtype. The result is cast to the output dtype; mutable collections
+    (`batch_stats`) are returned as the modules keep them (float32).
+    `model.init` and `model.init_with_output` create each parameter in the
+    param dtype of the module that owns it (its rule's, else its parent's),
+    also `self.param(...)` of a module without a `param_dtype` attribute.
+
+    Which inputs are cast to the compute dtype: those of a *layer* (a Flax
+    module, or any module with a `dtype` attribute) and of a module a rule
+    names, the model itself included (its policy, after rules, decides: with
+    `rules={MyModel: "f32"}` the whole model, inputs included, runs in
+    float32). A module of your own without a `dtype` attribute (plain `jnp`
+    maths, e.g. a sinusoidal timestep embedding) gets what it is given, as in
+    a model written by hand: a diffusion model's float32 timesteps reach it
+    as float32. `keep_inputs` names arguments of the model's own call
+    (`__call__`, or `method=`) that are never cast, for a model that is a
+    layer; `rules={Embedding: "f32"}` keeps one module's maths in float32.
+    Integers, booleans and complex arrays are never cast, and a module whose
+    `dtype` or `param_dtype` is complex keeps both (a complex layer stays
+    complex under any policy).
+
+    Carries of lifted loops keep the dtypes the model gives them: the body of
+    `nn.scan` (also under `nn.remat`/`nn.vmap`, and the cells of `nn.RNN`)
+    and of `nn.while_loop` returns its carry cast back to the dtypes it
+    received, so an LSTM's float32 carry stays float32 while its gates
+    multiply in half, and a float32 LayerScale parameter or a float32 rule
+    inside a scanned block does not change the carry's type.
+
+    Any other function (a `lambda` around `apply`) has its floating arguments
+    cast to compute, except Flax variables (a mapping with a `"params"`
+    key, whose `batch_stats` stay float32) and the arguments `keep_inputs`
+    names, and its result cast to output; the modules it calls follow the
+    rules above. An NNX module is refused: use `jmp_policy.nnx`.
 
     Normalisation layers need no rule: Flax's norms compute their statistics
     in float32 (`force_float32_reductions`) and emit the compute dtype, so the
@@ -350,16 +380,20 @@ def with_policy(
       rules: optional `{module class or path pattern: Policy or spec}`.
       remat_norms: recompute half-precision norm layers in the backward pass
         rather than save their float32 intermediates.
+      keep_inputs: names of arguments of the model's call (or of `fn`, for a
+        plain function) whose floating arrays are passed as given, never cast.
 
     Returns:
       The wrapped function. Jit it (`jax.jit(with_policy(...))`): a jitted
       wrapped function and a jitted unwrapped one never share a trace.
 
     Raises:
-      TypeError: if `fn` is already jitted (jit the result instead), or a rule
-        key or value is of the wrong type.
+      TypeError: if `fn` is already jitted (jit the result instead), is an NNX
+        module (or is given one), or a rule key or value or `keep_inputs` is
+        of the wrong type.
       ValueError: if a policy spec is malformed; when called, if a path pattern
-        matches no module of a whole-model call.
+        matches no module of a whole-model call, or `keep_inputs` names an
+        argument the model's call does not have.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> import jmp_policy as jmp
@@ -368,6 +402,12 @@ def with_policy(
     >>> variables = jmp.with_policy(model.init, "mixed_bfloat16")(jax.random.key(0), x)
     >>> apply = jmp.with_policy(model.apply, "mixed_bfloat16", rules={"layers_2": "f32"})
     >>> variables["params"]["layers_0"]["kernel"].dtype, apply(variables, x).dtype
+    (dtype('float32'), dtype('float32'))
+    >>> lstm = nn.RNN(nn.LSTMCell(4), return_carry=True)
+    >>> xs = jnp.ones((2, 5, 3))
+    >>> params = jmp.with_policy(lstm.init, "mixed_bfloat16")(jax.random.key(0), xs)
+    >>> (c, h), ys = jmp.with_policy(lstm.apply, "mixed_bfloat16")(params, xs)
+    >>> c.dtype, ys.dtype  # The carry as LSTMCell.initialize_carry made it.
     (dtype('float32'), dtype('float32'))
     """
     if hasattr(fn, "lower") and hasattr(fn, "__wrapped__"):

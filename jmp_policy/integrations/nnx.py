@@ -141,7 +141,9 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
       its parent's, computing in at least float32).
 
     Modules without a `dtype` attribute (custom modules doing their own
-    `jnp` maths) compute in the dtype of whatever they are given.
+    `jnp` maths) compute in the dtype of whatever they are given. A module
+    whose `dtype` or `param_dtype` is complex keeps both, and complex
+    parameters are never cast: a complex layer stays complex.
 
     Args:
       module: the `nnx.Module` (a model, or a `PolicyModule`'s `.module`).
@@ -204,19 +206,34 @@ class PolicyModule(nnx.Module):
 
     `PolicyModule(module, policy, rules=...)` holds `with_policy(module,
     policy, rules=rules)` as `.module` (a copy: `module` is left unchanged).
-    Calling it casts the floating arguments to the compute dtype, calls the
-    module, and casts the floating results to the output dtype; integers
-    (token ids), booleans and other arguments pass through. This is what
-    `jmp_policy.with_policy` does for a linen `model.apply`. Its state is the
-    module's under the prefix `module`; call other methods through `.module`.
+    Calling it calls the module and casts the floating results to the output
+    dtype. The floating arguments are cast to the compute dtype of the
+    module's own policy (after rules) when the module is a layer (a Flax
+    module, or one with a `dtype` attribute) or a rule names it, as
+    `jmp_policy.with_policy` does for a linen `model.apply`; a model of your
+    own without a `dtype` attribute gets its inputs as given, so plain `jnp`
+    maths on them (a diffusion model's timestep embedding) keeps their
+    precision, and its NNX layers cast what reaches them. Arguments that
+    `keep_inputs` names are never cast; integers (token ids), booleans and
+    complex arrays never are. Its state is the module's under the prefix
+    `module`; call other methods through `.module`.
+
+    Under `nnx.scan` the loop carry must keep its dtype: a rule that puts a
+    layer of the scanned body in another compute dtype than its parent
+    changes it, which NNX (having no method interceptors) cannot undo; that
+    call raises a `TypeError` naming the modules and saying to cast the carry
+    back in the loop body.
 
     Args:
       module: the `nnx.Module` to run under the policy.
       policy: a `Policy` or a spec such as `"mixed_bfloat16"`.
       rules: optional per-class or per-path rules, as in `with_policy`.
+      keep_inputs: names of arguments of `module.__call__` never cast.
 
     Raises:
-      TypeError, ValueError: as `with_policy`.
+      TypeError, ValueError: as `with_policy`; TypeError if `keep_inputs` is
+        not argument names, ValueError if it names an argument `module.__call__`
+        does not have.
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from flax import nnx
