@@ -158,7 +158,7 @@ def _is_real_float(x: Any) -> bool:
     )
 
 
-def _cast_inputs(policy: Policy, args: tuple, kwargs: dict, keep: Callable[[str], bool]):
+def _cast_inputs(policy: Policy, args: tuple, kwargs: dict, keep: Callable[[int | str], bool]):
     """`args` and `kwargs` with floating inputs cast to compute, except the kept ones."""
     return (
         tuple(a if keep(i) else policy.cast_to_compute(a) for i, a in enumerate(args)),
@@ -166,7 +166,7 @@ def _cast_inputs(policy: Policy, args: tuple, kwargs: dict, keep: Callable[[str]
     )
 
 
-def _keeper(fn: Callable, names: frozenset[str], skip_first: bool) -> Callable[[Any], bool]:
+def _keeper(fn: Callable, names: frozenset[str]) -> Callable[[int | str], bool]:
     """Whether an argument (position or keyword) is one of `names` of `fn`'s signature.
 
     Raises:
@@ -178,7 +178,6 @@ def _keeper(fn: Callable, names: frozenset[str], skip_first: bool) -> Callable[[
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         params = []
-    params = params[1:] if skip_first else params
     unknown = sorted(names - {p.name for p in params})
     if unknown:
         inner = _unwrap_partial(fn)[0]
@@ -241,7 +240,7 @@ def _make_interceptor(rules, remat_norms: bool) -> Callable:
         # arguments `keep_inputs` names); a module doing its own `jnp` maths
         # gets what it is given, as in a model written by hand.
         keep = (
-            _keeper(context.orig_method, call.keep_inputs, skip_first=False)
+            _keeper(context.orig_method, call.keep_inputs)
             if top
             else lambda key: False
         )
@@ -420,7 +419,7 @@ def with_policy(
     if isinstance(fn, nnx.Module) or isinstance(getattr(fn, "__self__", None), nnx.Module):
         raise TypeError(
             f"jmp_policy.with_policy is for Flax linen (model.apply / model.init) and "
-            f"plain functions, got the NNX module {fn!r}; use "
+            f"plain functions, got the NNX module {type(getattr(fn, '__self__', fn)).__name__}; use "
             "jmp_policy.nnx.with_policy(model, policy) or jmp_policy.nnx.PolicyModule(model, policy)."
         )
     policy = get_policy(policy)
@@ -433,7 +432,7 @@ def with_policy(
     entry = _linen_entry(target)
     if entry is None:
         target, bound_args, bound_kwargs = fn, (), {}
-        keep = _keeper(fn, keep_inputs, skip_first=False)
+        keep = _keeper(fn, keep_inputs)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
