@@ -8,6 +8,7 @@ promise. The core needs only jax, numpy and optax: `with_policy` (Flax linen)
 and `plot_histogram` (matplotlib) load their dependencies on first use.
 """
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 from jmp_policy.core.autocast import FLOAT32_PRIMITIVES
@@ -48,6 +49,21 @@ _LAZY = {
     "plot_histogram": "jmp_policy.app.doctor",
     "with_policy": "jmp_policy.integrations.linen",
 }
+
+
+def _nnx_state_handler(run, fn, args, kwargs):
+    # An NNX module can only be in the call if Flax NNX is loaded: importing
+    # jmp_policy never imports Flax.
+    if "flax.nnx" not in sys.modules:
+        return NotImplemented
+    from jmp_policy.integrations.nnx import autocast_with_state
+
+    return autocast_with_state(run, fn, args, kwargs)
+
+
+from jmp_policy.core.autocast import register_state_handler  # noqa: E402
+
+register_state_handler(_nnx_state_handler)
 
 
 def __getattr__(name: str) -> Any:

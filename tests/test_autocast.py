@@ -543,3 +543,79 @@ def test_cpu_bf16_dot_workaround_only_where_needed(env, cpuinfo, expected):
     from jmp_policy.core.matmul import cpu_bf16_dot_workaround
 
     assert cpu_bf16_dot_workaround(env, cpuinfo) is expected
+
+
+# --------------------------------------------------------------------------
+# Issue 10: NNX modules that update their state, and `jax.pmap` / `shard_map` bodies.
+
+
+class NoisyNNX(nnx.Module):
+    """Linear, BatchNorm in training mode (running statistics) and Dropout (an `Rngs`)."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(3, 4, rngs=rngs)
+        self.norm = nnx.BatchNorm(4, momentum=0.5, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(self.norm(self.linear(x)))
+
+
+def _nnx_state_leaves(model):
+    return jax.tree.leaves(nnx.state(model, nnx.BatchStat)) + [
+        jax.random.key_data(k) if jnp.issubdtype(k.dtype, jax.dtypes.prng_key) else k
+        for k in jax.tree.leaves(nnx.state(model, nnx.RngState))
+    ]
+
+
+@pytest.mark.parametrize("form", ["module", "argument", "method", "nnx.jit"])
+def test_autocast_of_nnx_module_updates_its_state_as_the_module_does(form):
+    # The issue's reproduction: `TraceContextError: Cannot mutate BatchStat from
+    # a different trace level`, eagerly and under nnx.jit; as an argument, the
+    # updates were silently dropped. The statistics and the RNG counters must
+    # move exactly as the plain module's do.
+    x = normal(30, 6, 3)
+    auto_model, plain_model = NoisyNNX(nnx.Rngs(0)), NoisyNNX(nnx.Rngs(0))
+    if form == "module":
+        out = autocast(auto_model, MIXED)(x)
+    elif form == "argument":
+        out = autocast(lambda m, x: m(x), MIXED)(auto_model, x)
+    elif form == "method":
+        out = autocast(auto_model.__call__, MIXED)(x)
+    else:
+        out = nnx.jit(lambda m, x: autocast(m, MIXED)(x))(auto_model, x)
+    expected = plain_model(x)
+    assert out.dtype == F32
+    assert_close(out, expected)
+    stats, plain_stats = _nnx_state_leaves(auto_model), _nnx_state_leaves(plain_model)
+    assert [s.dtype for s in stats] == [s.dtype for s in plain_stats]
+    assert not np.allclose(np.asarray(plain_model.norm.mean[...]), 0)  # They did move.
+    assert_close(stats, plain_stats)
+    np.testing.assert_array_equal(
+        np.asarray(auto_model.dropout.rngs.count[...]), np.asarray(plain_model.dropout.rngs.count[...])
+    )
+
+
+def test_autocast_of_a_closure_over_an_nnx_module_says_to_pass_it():
+    model = NoisyNNX(nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"pass the module as an argument"):
+        autocast(lambda x: model(x), MIXED)(normal(31, 6, 3))
+
+
+def test_autocast_rewrites_pmap_and_shard_map_bodies():
+    # The issue's reproduction: `autocast(jax.pmap(f), policy)` left the body float32.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    x, w = normal(32, 8, 2, 16), normal(33, 8, 16, 4)
+    f = jax.pmap(lambda x, w: jnp.tanh(x @ w))
+    assert_half_products(autocast(f, MIXED), x, w, count=1)
+    assert_close(autocast(f, MIXED)(x, w), f(x, w))
+    grad = jax.grad(lambda x, w: autocast(f, MIXED)(x, w).sum(), (0, 1))
+    assert_half_products(grad, x, w, count=3)
+
+    mesh = jax.make_mesh((8,), ("d",))
+    g = jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))
+    xs = jax.device_put(normal(34, 16, 16), NamedSharding(mesh, P("d")))
+    w2 = normal(35, 16, 4)
+    assert_half_products(autocast(g, MIXED), xs, w2, count=1)
+    assert_close(autocast(g, MIXED)(xs, w2), g(xs, w2))

@@ -14,6 +14,7 @@ that a shape or a program text can answer.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from typing import Any
@@ -233,22 +234,25 @@ class Residual(nn.Module):
         return x + nn.Dense(x.shape[-1])(x)
 
 
-def test_module_after_float32_layernorm_gets_compute_dtype_input():
-    # Without the cast of module inputs, the float32 LayerNorm output would
-    # meet the bf16 Dense output in `x + ...`: a silent float32 residual stream
-    # under standard promotion, an error under strict.
+def test_module_without_dtype_gets_what_it_is_given_unless_a_rule_names_it():
+    # The input rule: a module doing its own `jnp` maths (no `dtype` attribute)
+    # computes on what it is given, as in a hand-written model: after a float32
+    # LayerNorm, its residual is float32 (standard promotion), while its Dense
+    # still multiplies in half. A rule naming the module casts its inputs.
     model = nn.Sequential([nn.LayerNorm(), Residual(), nn.Dense(4)])
     x = jnp.ones((2, 8))
     variables = jax.eval_shape(model.init, jax.random.key(0), x)
-    apply = with_policy(model.apply, "mixed_bfloat16", rules={nn.LayerNorm: "f32"})
-    SEEN.clear()
-    _, state = jax.eval_shape(lambda v: apply(v, x, capture_intermediates=True), variables)
-    out = state["intermediates"]
-    assert SEEN["residual input"] == BF16
-    assert out["layers_0"]["__call__"][0].dtype == F32
-    assert out["layers_1"]["__call__"][0].dtype == BF16
-    found = contractions(jax.jit(apply).lower(variables, x).as_text())
-    assert compute_dtypes(found) == [BF16, BF16]
+    for rules, residual in [({nn.LayerNorm: "f32"}, F32), ({nn.LayerNorm: "f32", Residual: "mixed_bfloat16"}, BF16)]:
+        apply = with_policy(model.apply, "mixed_bfloat16", rules=rules)
+        SEEN.clear()
+        with jax.numpy_dtype_promotion("standard"):
+            _, state = jax.eval_shape(lambda v: apply(v, x, capture_intermediates=True), variables)
+            found = contractions(jax.jit(apply).lower(variables, x).as_text())
+        out = state["intermediates"]
+        assert SEEN["residual input"] == residual
+        assert out["layers_0"]["__call__"][0].dtype == F32
+        assert out["layers_1"]["__call__"][0].dtype == residual
+        assert compute_dtypes(found) == [BF16, BF16]
 
 
 def test_train_step_keeps_params_grads_and_optimizer_state_in_param_dtype():
@@ -1115,3 +1119,309 @@ def test_training_keeps_params_and_grads_in_param_dtype(trained):
     assert _dtypes(params) == _dtypes(grads) == {F32}
     assert losses.dtype == F32
     assert np.all(np.isfinite(losses))
+
+
+# --------------------------------------------------------------------------
+# Issue 10: the architectures people write. One section per finding, each
+# with the issue's reproduction.
+
+# 1. Recurrent cells under nn.RNN: the carry keeps the dtype the model gives it.
+
+
+class BiRNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        rnn = nn.Bidirectional(nn.RNN(nn.LSTMCell(8)), nn.RNN(nn.GRUCell(8)))
+        return nn.Dense(2)(rnn(x))
+
+
+def _seq(seed=0, shape=(2, 5, 3)):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+
+
+@pytest.mark.parametrize(
+    "model",
+    [nn.RNN(nn.LSTMCell(8), return_carry=True), nn.RNN(nn.GRUCell(8), return_carry=True),
+     nn.RNN(nn.OptimizedLSTMCell(8), return_carry=True), BiRNN()],
+    ids=["LSTMCell", "GRUCell", "OptimizedLSTMCell", "bidirectional"],
+)  # fmt: skip
+def test_rnn_cells_keep_their_float32_carry_and_multiply_in_half(model):
+    # Was: TypeError: scan body function carry input and carry output must have
+    # equal types ... float32[2,8] ... bfloat16[2,8].
+    x = _seq()
+    variables = with_policy(model.init, "mixed_bfloat16")(jax.random.key(0), x)
+    apply = with_policy(model.apply, "mixed_bfloat16")
+    out, expected = apply(variables, x), model.apply(variables, x)
+    if isinstance(model, nn.RNN):
+        (carry, out), (expected_carry, expected) = out, expected
+        assert _dtypes(carry) == {F32}  # As `initialize_carry` made it.
+        np.testing.assert_allclose(
+            np.concatenate([np.ravel(c) for c in jax.tree.leaves(carry)]),
+            np.concatenate([np.ravel(c) for c in jax.tree.leaves(expected_carry)]),
+            atol=3e-2,
+        )
+    assert out.dtype == F32 and _dtypes(variables) == {F32}
+    np.testing.assert_allclose(out, expected, atol=3e-2)
+    found = contractions(jax.jit(apply).lower(variables, x).as_text())
+    assert found and compute_dtypes(found) == [BF16] * len(found)
+
+
+# 2. nn.scan'd blocks whose carry meets float32 (a LayerScale parameter, a
+# float32 rule), and nn.while_loop.
+
+
+class LayerScaleBlock(nn.Module):
+    """ConvNeXt/CaiT style: `x + gamma * Dense(LN(x))`, `gamma` a float32 parameter."""
+
+    @nn.compact
+    def __call__(self, x, _):
+        gamma = self.param("gamma", nn.initializers.constant(0.1), (x.shape[-1],))
+        h = nn.Dense(x.shape[-1], name="proj")(nn.LayerNorm()(x))
+        return x + gamma * h, None
+
+
+class ScanStack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(FEATURES)(x)
+        blocks = nn.scan(
+            nn.remat(LayerScaleBlock),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=3,
+        )
+        x, _ = blocks(name="blocks")(x, None)
+        return nn.Dense(2)(x)
+
+
+@pytest.mark.parametrize(
+    ("rules", "float32_dots"),
+    # proj under nn.remat: forward, its recomputation and two in the backward scan.
+    [(None, 0), ({"blocks/proj": "f32"}, 4)],
+    ids=["layerscale", "float32-rule-in-scan"],
+)
+def test_scanned_blocks_mixing_float32_into_the_carry(rules, float32_dots):
+    # Was: TypeError: scan body function carry input and carry output must have
+    # equal types. The model computes `gamma * h` in float32 (standard
+    # promotion, as users run it); the carry stays in the dtype it entered.
+    model, x = ScanStack(), _seq(1, (2, 4, 5))
+    with jax.numpy_dtype_promotion("standard"):
+        variables = with_policy(model.init, "mixed_bfloat16", rules=rules)(jax.random.key(0), x)
+        apply = with_policy(model.apply, "mixed_bfloat16", rules=rules)
+        out, expected = apply(variables, x), model.apply(variables, x)
+        grad = jax.grad(lambda v: apply(v, x).sum())
+        grads = jax.eval_shape(grad, variables)
+        text = jax.jit(grad).lower(variables).as_text()
+    assert out.dtype == F32 and _dtypes(variables) == _dtypes(grads) == {F32}
+    np.testing.assert_allclose(out, expected, atol=5e-2)
+    dtypes = compute_dtypes(contractions(text))
+    assert dtypes.count(F32) == float32_dots and dtypes.count(BF16) == len(dtypes) - float32_dots
+
+
+class Loop(nn.Module):
+    """`nn.while_loop` with a float32 carry created inside the model."""
+
+    @nn.compact
+    def __call__(self, x):
+        dense = nn.Dense(x.shape[-1])
+        h = dense(x)
+        carry = (jnp.zeros(x.shape, jnp.float32) + jnp.ones((), jnp.float32), jnp.zeros((), jnp.int32))
+        if self.is_initializing():
+            return h
+        body = lambda m, c: (jnp.tanh(m(c[0])), c[1] + 1)
+        h, _ = nn.while_loop(lambda m, c: c[1] < 3, body, dense, carry)
+        return h
+
+
+def test_while_loop_carry_keeps_its_dtype():
+    model, x = Loop(), _seq(2, (2, 4))
+    variables = model.init(jax.random.key(0), x)
+    out = with_policy(model.apply, "mixed_bfloat16")(variables, x)
+    np.testing.assert_allclose(out, model.apply(variables, x), atol=3e-2)
+
+
+# 4. Which inputs are cast: a diffusion denoiser's timesteps.
+
+TIMESTEPS = np.array([999, 998, 997, 513, 3], np.float32)
+
+
+class SinusoidalEmbedding(nn.Module):
+    """Plain `jnp`: no `dtype` attribute, so it computes on what it is given."""
+
+    dim: int = 64
+
+    @nn.compact
+    def __call__(self, t):
+        SEEN["timesteps"] = t
+        half = self.dim // 2
+        freqs = jnp.exp(-np.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
+        angles = t[:, None] * freqs.astype(t.dtype)[None]
+        return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+class Denoiser(nn.Module):
+    """A plain module (no `dtype` attribute) holding the layers, as people write it."""
+
+    layer_dtype: Any = None  # Only the hand-written bfloat16 version sets it.
+
+    @nn.compact
+    def __call__(self, x, t):
+        dense = lambda n: nn.Dense(n, dtype=self.layer_dtype)
+        emb = dense(64)(nn.gelu(dense(64)(SinusoidalEmbedding()(t))))
+        h = nn.gelu(dense(64)(x) + emb)
+        return dense(x.shape[-1])(nn.gelu(dense(64)(h)))
+
+
+class DenoiserLayer(Denoiser):
+    """The same model, but a layer: it has a `dtype` attribute of its own."""
+
+    dtype: Any = None
+
+
+def _denoiser_errors():
+    model, x = Denoiser(), _seq(3, (5, 8))
+    variables = model.init(jax.random.key(0), x, TIMESTEPS)
+    expected = model.apply(variables, x, TIMESTEPS)
+
+    def error(apply, **kwargs):
+        SEEN.clear()
+        out = apply(variables, x, TIMESTEPS, **kwargs)
+        return float(jnp.max(jnp.abs(out.astype(F32) - expected))), np.asarray(SEEN["timesteps"])
+
+    return {
+        "hand-written": error(Denoiser(layer_dtype=jnp.bfloat16).apply),
+        "with_policy": error(with_policy(model.apply, "mixed_bfloat16")),
+        "root rule": error(with_policy(model.apply, "mixed_bfloat16", rules={Denoiser: "f32"})),
+        "layer root": error(with_policy(DenoiserLayer().apply, "mixed_bfloat16")),
+        "layer root, keep_inputs": error(
+            with_policy(DenoiserLayer().apply, "mixed_bfloat16", keep_inputs="t")
+        ),
+    }
+
+
+def test_plain_jnp_module_gets_the_timesteps_as_given():
+    # Was: the timesteps became [1000, 1000, 996, 512, 3] and the output erred
+    # by 0.84 against float32, where the hand-written bfloat16 model errs by 0.010.
+    errors = _denoiser_errors()
+    for name in ("hand-written", "with_policy", "root rule", "layer root, keep_inputs"):
+        np.testing.assert_array_equal(errors[name][1], TIMESTEPS, err_msg=name)
+        assert errors[name][1].dtype == F32, name
+    hand_written = errors["hand-written"][0]
+    assert 0 < errors["with_policy"][0] <= 1.5 * hand_written, errors
+    assert errors["layer root, keep_inputs"][0] <= 1.5 * hand_written, errors
+    assert errors["root rule"][0] < 1e-6  # The whole model in float32, inputs included.
+    # A root that is a layer has its inputs cast, unless `keep_inputs` names them.
+    np.testing.assert_array_equal(errors["layer root"][1], [1000, 1000, 996, 512, 3])
+    assert errors["layer root"][0] > 5 * hand_written
+
+
+def test_keep_inputs_names_must_be_arguments_of_the_model():
+    model, x = Denoiser(), _seq(3, (5, 8))
+    variables = jax.eval_shape(model.init, jax.random.key(0), x, TIMESTEPS)
+    apply = with_policy(model.apply, "mixed_bfloat16", keep_inputs=("timesteps",))
+    with pytest.raises(ValueError, match=r"keep_inputs names 'timesteps'.*\['x', 't'\]"):
+        jax.eval_shape(apply, variables, x, TIMESTEPS)
+    with pytest.raises(TypeError, match=r"keep_inputs must be an argument name"):
+        with_policy(model.apply, "mixed_bfloat16", keep_inputs=[1])
+
+
+# 5. A functools.partial of apply (or a lambda around it) keeps the variables'
+# dtypes: BatchNorm's running statistics stay float32.
+
+
+class Normed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2)(nn.BatchNorm(use_running_average=False, momentum=0.999)(x))
+
+
+@pytest.mark.parametrize("form", ["partial", "lambda"])
+def test_partial_or_lambda_around_apply_keeps_batch_stats_float32(form):
+    # Was: batch_stats cast to bfloat16, the running mean stalled at -2.00 where
+    # float32 reaches -4.70 (momentum 0.999: the increments are below bf16's step).
+    model = Normed()
+    x = jnp.full((4, 3), -5.0) + jnp.asarray(np.random.default_rng(0).standard_normal((4, 3)), F32)
+    variables = model.init(jax.random.key(0), x)
+    variables = {**variables, "batch_stats": {"BatchNorm_0": {
+        "mean": jnp.full((3,), -2.0), "var": variables["batch_stats"]["BatchNorm_0"]["var"]}}}  # fmt: skip
+    if form == "partial":
+        apply = with_policy(functools.partial(model.apply, mutable=["batch_stats"]), "mixed_bfloat16")
+    else:
+        apply = with_policy(lambda v, x: model.apply(v, x, mutable=["batch_stats"]), "mixed_bfloat16")
+    reference = functools.partial(model.apply, mutable=["batch_stats"])
+
+    def run(apply_fn):
+        def step(v, _):
+            return {**v, **apply_fn(v, x)[1]}, None
+
+        return jax.jit(lambda v: jax.lax.scan(step, v, length=200)[0])(variables)
+
+    mean, expected = run(apply), run(reference)
+    mean, expected = (v["batch_stats"]["BatchNorm_0"]["mean"] for v in (mean, expected))
+    assert mean.dtype == F32
+    np.testing.assert_allclose(mean, expected, rtol=1e-3)
+    assert float(jnp.max(mean)) < -2.3  # It moved (in bfloat16 it stalls at -2.0).
+
+
+# 6. Complex-valued layers stay complex.
+
+
+class ComplexNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        z = nn.Dense(4, dtype=jnp.complex64, param_dtype=jnp.complex64, name="complex")(x)
+        return nn.Dense(2)(jnp.abs(z))
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_complex_layers_keep_complex_dtypes(policy):
+    # Was: the imaginary part dropped (a ComplexWarning only), real parameters from init.
+    model = ComplexNet()
+    x = jax.lax.complex(_seq(4, (3, 5)), _seq(5, (3, 5)))
+    variables = with_policy(model.init, policy)(jax.random.key(0), x)
+    assert variables["params"]["complex"]["kernel"].dtype == jnp.complex64
+    assert variables["params"]["Dense_0"]["kernel"].dtype == F32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's ComplexWarning would be an error.
+        out = with_policy(model.apply, policy)(variables, x)
+    np.testing.assert_allclose(out, model.apply(variables, x), atol=3e-2)
+
+
+# 7. An NNX module given to the linen `with_policy`.
+
+
+def test_linen_with_policy_refuses_nnx_modules():
+    from flax import nnx
+
+    layer = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    for fn in (layer, layer.__call__):
+        with pytest.raises(TypeError, match=r"jmp_policy\.nnx\.with_policy.*PolicyModule"):
+            with_policy(fn, "mixed_bfloat16")
+    with pytest.raises(TypeError, match=r"jmp_policy\.nnx\.with_policy"):
+        with_policy(lambda m, x: m(x), "mixed_bfloat16")(layer, jnp.ones((1, 3)))
+
+
+# 8. A custom parameter's dtype does not depend on rules for other modules.
+
+
+class Tempered(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        temperature = self.param("temperature", nn.initializers.ones, ())
+        h = nn.Dense(8)(x)
+        h = h / temperature.astype(h.dtype)
+        return nn.Dense(2, name="head")(h)
+
+
+@pytest.mark.parametrize("rules", [None, {"head": "p=f32,c=f32,o=f32"}], ids=["no-rules", "head-rule"])
+def test_custom_param_takes_its_module_param_dtype_whatever_other_rules_say(rules):
+    # Was: float32 as soon as one rule had another param dtype.
+    variables = jax.eval_shape(
+        with_policy(Tempered().init, "p=bf16,c=bf16,o=f32", rules=rules),
+        jax.random.key(0),
+        jnp.ones((2, 3)),
+    )
+    params = variables["params"]
+    assert params["temperature"].dtype == BF16
+    assert params["Dense_0"]["kernel"].dtype == BF16
+    assert params["head"]["kernel"].dtype == (BF16 if rules is None else F32)

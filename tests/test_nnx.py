@@ -406,3 +406,147 @@ def test_jitted_step_retraces_for_each_policy():
     for order in (list(models), list(reversed(models))):
         for name in order:
             assert forward(models[name], x).dtype == expected[name], name
+
+
+# --- Issue 10: the architectures people write ---------------------------------
+
+
+class LayerScaleBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = nnx.LayerNorm(8, rngs=rngs)
+        self.proj = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.proj(self.norm(x))
+
+
+class ScannedStack(nnx.Module):
+    """Three blocks with stacked parameters, run through `nnx.scan`."""
+
+    def __init__(self, rngs, cast_carry=False):
+        self.cast_carry = cast_carry
+        self.inp = nnx.Linear(5, 8, rngs=rngs)
+
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return LayerScaleBlock(rngs)
+
+        self.blocks = make(rngs)
+        self.out = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x).astype(x.dtype) if self.cast_carry else block(x)
+
+        return self.out(body(self.inp(x), self.blocks))
+
+
+def test_nnx_scan_runs_under_a_policy_and_a_rule_that_mixes_its_carry_says_what_to_do():
+    # Issue 10, point 2 for NNX. Without rules the scanned carry stays in
+    # half (NNX layers cast their inputs). A rule putting one layer of the
+    # scanned block in float32 changes the carry's dtype; NNX has no method
+    # interceptors to cast it back, so this is refused with an error naming
+    # the module and the fix, not JAX's bare scan type error.
+    model, x = ScannedStack(nnx.Rngs(0)), jnp.ones((2, 5))
+    expected = model(x)
+    with jax.numpy_dtype_promotion("standard"):
+        out = jnnx.PolicyModule(model, "mixed_bfloat16")(x)
+        np.testing.assert_allclose(out, expected, atol=3e-2)
+        assert out.dtype == F32
+        mixed = jnnx.PolicyModule(model, "mixed_bfloat16", rules={"blocks/proj": "f32"})
+        with pytest.raises(TypeError, match=r"\('blocks/proj',\).*cast the carry back"):
+            mixed(x)
+        # The fix the message gives: the body casts its carry back.
+        model.cast_carry = True
+        fixed = jnnx.PolicyModule(model, "mixed_bfloat16", rules={"blocks/proj": "f32"})
+        np.testing.assert_allclose(fixed(x), expected, atol=3e-2)
+
+
+class SinusoidalEmbedding(nnx.Module):
+    """Plain `jnp` (no `dtype` attribute)."""
+
+    def __call__(self, t):
+        SEEN["timesteps"] = t
+        freqs = jnp.exp(-np.log(10000.0) * jnp.arange(32, dtype=jnp.float32) / 32)
+        angles = t[:, None] * freqs.astype(t.dtype)[None]
+        return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+class Denoiser(nnx.Module):
+    def __init__(self, rngs, layer_dtype=None):
+        self.embedding = SinusoidalEmbedding()
+        self.t1 = nnx.Linear(64, 64, dtype=layer_dtype, rngs=rngs)
+        self.x1 = nnx.Linear(8, 64, dtype=layer_dtype, rngs=rngs)
+        self.h1 = nnx.Linear(64, 64, dtype=layer_dtype, rngs=rngs)
+        self.out = nnx.Linear(64, 8, dtype=layer_dtype, rngs=rngs)
+
+    def __call__(self, x, t):
+        h = nnx.gelu(self.x1(x) + self.t1(self.embedding(t)))
+        return self.out(nnx.gelu(self.h1(h)))
+
+
+TIMESTEPS = np.array([999, 998, 997, 513, 3], np.float32)
+SEEN: dict = {}  # What modules saw while called.
+
+
+def test_policy_module_gives_plain_jnp_modules_their_inputs_as_given():
+    # Issue 10, point 4 for NNX: the timesteps became [1000, 1000, 996, 512, 3].
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 8)), F32)
+    model = Denoiser(nnx.Rngs(0))
+    expected = model(x, TIMESTEPS)
+    hand = Denoiser(nnx.Rngs(0), layer_dtype=jnp.bfloat16)
+    errors = {}
+    for name, m in [
+        ("hand-written", hand),
+        ("PolicyModule", jnnx.PolicyModule(model, "mixed_bfloat16")),
+        ("root rule", jnnx.PolicyModule(model, "mixed_bfloat16", rules={Denoiser: "f32"})),
+    ]:
+        out = m(x, TIMESTEPS)
+        seen = SEEN["timesteps"]
+        np.testing.assert_array_equal(seen, TIMESTEPS, err_msg=name)
+        assert seen.dtype == F32
+        errors[name] = float(jnp.max(jnp.abs(out.astype(F32) - expected)))
+    assert 0 < errors["PolicyModule"] <= 1.5 * errors["hand-written"], errors
+    assert errors["root rule"] < 1e-6, errors
+
+
+def test_policy_module_keep_inputs():
+    class Layer(nnx.Module):
+        def __init__(self):
+            self.dtype = None  # A layer: its inputs are cast, those keep_inputs names aside.
+
+        def __call__(self, x, t):
+            SEEN["x"], SEEN["t"] = x.dtype, t.dtype
+            return x
+
+    for keep, kwargs in [("t", {}), (("t",), {"t": jnp.ones(2)})]:
+        module = jnnx.PolicyModule(Layer(), "mixed_bfloat16", keep_inputs=keep)
+        module(jnp.ones(2), *([] if kwargs else [jnp.ones(2)]), **kwargs)
+        assert (SEEN["x"], SEEN["t"]) == (BF16, F32)
+    jnnx.PolicyModule(Layer(), "mixed_bfloat16")(jnp.ones(2), jnp.ones(2))
+    assert (SEEN["x"], SEEN["t"]) == (BF16, BF16)
+    with pytest.raises(ValueError, match=r"keep_inputs names 'time'.*\['x', 't'\]"):
+        jnnx.PolicyModule(Layer(), "mixed_bfloat16", keep_inputs="time")
+
+
+class ComplexNet(nnx.Module):
+    def __init__(self, rngs):
+        self.complex = nnx.Linear(5, 4, dtype=jnp.complex64, param_dtype=jnp.complex64, rngs=rngs)
+        self.real = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, z):
+        return self.real(jnp.abs(self.complex(z)))
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_complex_layers_stay_complex(policy):
+    # Issue 10, point 6 for NNX.
+    model = ComplexNet(nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    z = jax.lax.complex(*(jnp.asarray(rng.standard_normal((3, 5)), F32) for _ in range(2)))
+    mixed = jnnx.PolicyModule(model, policy)
+    assert mixed.module.complex.dtype == jnp.complex64
+    assert mixed.module.complex.kernel.dtype == jnp.complex64
+    np.testing.assert_allclose(mixed(z), model(z), atol=3e-2)

@@ -24,7 +24,9 @@ casts back, still returns bf16). Nested programs are rewritten too: `jit` and
 `checkpoint` as if inlined; `custom_jvp` functions (`jax.nn.relu`,
 `jax.nn.softmax`, ...) and their JVP rules, on inputs of the dtypes the rule
 was written for; `scan`, `while_loop` and `cond` with the input and output
-dtypes of the original, so loop carries and branches stay type-correct.
+dtypes of the original, so loop carries and branches stay type-correct;
+`shard_map` (and so `jax.pmap`) bodies inside a new `shard_map` over the same
+mesh and specs, their inputs and results in the original dtypes.
 
 Matmuls and convolutions run through `jmp_policy.core.matmul`, whose custom VJP
 keeps the backward products half x half with float32 accumulation too.
@@ -200,6 +202,18 @@ def _custom_jvp_rule(eqn, invals, rules):
     return f(*args)
 
 
+def _shard_map_rule(eqn, invals, rules):
+    # The per-device program is rewritten inside a new `shard_map` over the
+    # same mesh and specs; its inputs and results keep their dtypes.
+    jaxpr = ji.shard_map_body(eqn)
+    out_dtypes = [v.aval.dtype for v in jaxpr.outvars]
+
+    def body(*args):
+        return tuple(_outputs_as(_eval(jaxpr, (), args, rules), out_dtypes))
+
+    return list(jax.shard_map(body, **ji.shard_map_options(eqn))(*_as_original(eqn, invals)))
+
+
 _HIGHER_ORDER = {p: _control_flow_rule for p in ji.CONTROL_FLOW_JAXPR_PARAMS}
 _HIGHER_ORDER.update({p: _call_rule for p in ji.CALL_JAXPR_PARAM})
 _HIGHER_ORDER[ji.remat_p] = _remat_rule
@@ -243,6 +257,8 @@ def _apply(eqn, invals, rules):
     prim, name = eqn.primitive, eqn.primitive.name
     if prim in _HIGHER_ORDER:
         return _HIGHER_ORDER[prim](eqn, invals, rules)
+    if ji.is_shard_map(eqn):
+        return _shard_map_rule(eqn, invals, rules)
     if prim is ji.convert_element_type_p:
         x, new_dtype = invals[0], np.dtype(eqn.params["new_dtype"])
         return x if x.dtype == new_dtype else ji.bind(eqn, invals)
@@ -281,6 +297,21 @@ def _trace_and_eval(fn, args, rules):
 
 def _known_primitive_names() -> frozenset[str]:
     return ji.primitive_names() | HALF_PRIMITIVES | FLOAT32_PRIMITIVES | PROMOTE_PRIMITIVES
+
+
+# Handlers for arguments holding state that `fn` updates in place (Flax NNX
+# modules): `handler(run, fn, args, kwargs)` returns `fn`'s result, running a
+# pure function of that state through `run(pure_fn, args, kwargs)` and writing
+# the new state back, or `NotImplemented` if the call holds no such state.
+# The core knows no framework: the package registers the Flax NNX handler.
+StateHandler = Callable[[Callable, Callable, tuple, dict], Any]
+_STATE_HANDLERS: list[StateHandler] = []
+
+
+def register_state_handler(handler: StateHandler) -> None:
+    """Lets `autocast` thread a framework's mutable state through the traced program."""
+    if handler not in _STATE_HANDLERS:
+        _STATE_HANDLERS.append(handler)
 
 
 def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
@@ -359,11 +390,17 @@ def autocast(
     `fn` again, so call it under `jax.jit`.
 
     Composes with `jax.jit`, `jax.grad`, `jax.vmap`, `lax.scan` and
-    `jax.checkpoint` on either side. Autocast of an autocast function: the
-    inner one decides for the operations inside it. Not supported: forward-mode
-    differentiation (`jax.jvp`, `jax.jacfwd`) through the half matmuls, which
-    carry a `jax.custom_vjp`; user `custom_vjp` functions and `shard_map`
-    bodies run as written.
+    `jax.checkpoint` on either side; the bodies of `jax.shard_map` and
+    `jax.pmap` (which JAX 0.10 runs as a `shard_map`) are rewritten too. Autocast of
+    an autocast function: the inner one decides for the operations inside it.
+    Flax NNX modules that update their state (BatchNorm statistics, `Rngs`)
+    work as `fn` (`autocast(model, policy)(x)`), as a bound method, or as
+    arguments (`autocast(step, policy)(model, x)`), eagerly and under
+    `nnx.jit`: their state is threaded through the traced program and written
+    back; a module `fn` merely closes over gets a `TypeError` saying so. Not
+    supported: forward-mode differentiation (`jax.jvp`, `jax.jacfwd`) through
+    the half matmuls, which carry a `jax.custom_vjp`; user `custom_vjp`
+    functions run as written.
 
     Args:
       fn: the function to transform.
@@ -408,9 +445,18 @@ def autocast(
         matmul_dtype=policy.matmul_dtype,
     )
 
-    @functools.wraps(fn)
+    def run(g, args, kwargs):
+        return _trace_and_eval(lambda a, k: g(*a, **k), (args, kwargs), rules)
+
+    # Not `functools.wraps`: it would copy `fn.__dict__`, and with it the
+    # `lower` of a `jax.pmap` or `jax.jit` function, which lowers the
+    # original program.
+    @functools.wraps(fn, updated=())
     def wrapped(*args, **kwargs):
-        outs = _trace_and_eval(lambda a, k: fn(*a, **k), (args, kwargs), rules)
-        return policy.cast_to_output(outs)
+        for handler in _STATE_HANDLERS:
+            outs = handler(run, fn, args, kwargs)
+            if outs is not NotImplemented:
+                return policy.cast_to_output(outs)
+        return policy.cast_to_output(run(fn, args, kwargs))
 
     return wrapped

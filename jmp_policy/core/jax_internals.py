@@ -36,6 +36,9 @@ CONTROL_FLOW_JAXPR_PARAMS: dict[Primitive, tuple[str, ...]] = {
     primitives.while_p: ("cond_jaxpr", "body_jaxpr"),
     primitives.cond_p: ("branches",),
 }
+# `shard_map` (also what `jax.pmap` lowers to since JAX 0.8) is not in
+# `jax.extend.core.primitives`: it is matched by name.
+SHARD_MAP_NAME = "shard_map"
 remat_p: Primitive = primitives.remat_p
 custom_jvp_call_p: Primitive = primitives.custom_jvp_call_p
 convert_element_type_p: Primitive = primitives.convert_element_type_p
@@ -59,6 +62,28 @@ def bind(eqn: JaxprEqn, args: Sequence[Any], params: dict[str, Any] | None = Non
 def remat_options(eqn: JaxprEqn) -> dict[str, Any]:
     """The `jax.checkpoint` arguments that made a `remat` equation."""
     return {"prevent_cse": eqn.params["prevent_cse"], "policy": eqn.params["policy"]}
+
+
+def is_shard_map(eqn: JaxprEqn) -> bool:
+    """Whether the equation is a `shard_map` (or a `jax.pmap`, which is one)."""
+    return eqn.primitive.name == SHARD_MAP_NAME
+
+
+def shard_map_body(eqn: JaxprEqn) -> Jaxpr:
+    """The per-device program of a `shard_map` equation (no constants)."""
+    return eqn.params["jaxpr"]
+
+
+def shard_map_options(eqn: JaxprEqn) -> dict[str, Any]:
+    """The `jax.shard_map` arguments that made a `shard_map` equation."""
+    params = eqn.params
+    return {
+        "mesh": params["mesh"],
+        "in_specs": tuple(params["in_specs"]),
+        "out_specs": tuple(params["out_specs"]),
+        "axis_names": frozenset(params["newly_manual_axes"]),
+        "check_vma": params["check_vma"],
+    }
 
 
 def custom_jvp_primal(eqn: JaxprEqn) -> ClosedJaxpr:

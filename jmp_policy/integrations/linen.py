@@ -3,32 +3,53 @@
 Flax linen modules take `dtype` (computation) and `param_dtype` (storage)
 attributes. `with_policy` sets them on every module as it is called, through
 a linen method interceptor, so a model written without precision in mind
-runs under any policy. A module's floating inputs are cast to its compute
+runs under any policy. A layer's floating inputs are cast to its compute
 dtype as well: without that, the float32 output of a float32 LayerNorm would
-promote the next matmul back to float32 (a silent loss of Tensor Cores).
+promote the next matmul back to float32 (a silent loss of Tensor Cores). A
+module of the user's own without a `dtype` attribute gets its inputs as
+given (its plain `jnp` maths may need their precision), and the carries of
+lifted loops (`nn.scan`, `nn.RNN`, `nn.while_loop`) keep their dtypes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 from jmp_policy.core.autocast import matmuls_in
 from jmp_policy.core.matmul import matmul_dot_general
 from jmp_policy.core.policy import Policy, get_policy
-from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet
+from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_names
 
 # The policy of the module being called; children without a rule inherit it.
 _ACTIVE_POLICY: contextvars.ContextVar[Policy] = contextvars.ContextVar("policy")
-# The module paths seen and the rules' path patterns matched during the current call.
-_SEEN: contextvars.ContextVar[tuple[set[str], set[str]]] = contextvars.ContextVar("seen")
+
+
+@dataclasses.dataclass
+class _Call:
+    """What one call of a wrapped function records and needs while it runs."""
+
+    keep_inputs: frozenset[str]
+    top: bool = True  # The next intercepted call is the model's own (its inputs).
+    paths: set[str] = dataclasses.field(default_factory=set)  # Module paths seen.
+    matched: set[str] = dataclasses.field(default_factory=set)  # Path patterns matched.
+    # The policy of each module path: parameters are stored in their owner's param dtype.
+    owners: dict[tuple[str, ...], Policy] = dataclasses.field(default_factory=dict)
+
+
+_CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("call")
 _LINEN_ENTRIES = ("apply", "init", "init_with_output")
 # Flax's norms lift half inputs to float32 statistics with `jnp.promote_types`,
 # which strict dtype promotion rejects; they are written for standard promotion
@@ -40,14 +61,36 @@ _FLAX_NORMS = (nn.BatchNorm, nn.GroupNorm, nn.InstanceNorm, nn.LayerNorm, nn.RMS
 _REMAT_NORMS = (nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
 
 
-def _module_policy(module: nn.Module, rules: RuleSet, inherited: Policy) -> Policy:
-    path = "/".join(str(p) for p in module.path)
-    paths, matched = _SEEN.get((set(), set()))
-    paths.add(path)
-    return rules.policy_for(module, path, inherited, matched)[0]
+def _module_policy(module: nn.Module, rules: RuleSet, inherited: Policy, call: _Call):
+    """`(policy, whether a rule named the module)`; records the module's path."""
+    path = tuple(str(p) for p in module.path)
+    call.paths.add("/".join(path))
+    policy, named = rules.policy_for(module, "/".join(path), inherited, call.matched)
+    call.owners[path] = policy
+    return policy, named
+
+
+def _is_complex(dtype: Any) -> bool:
+    try:
+        return dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating)
+    except TypeError:
+        return False
+
+
+def _keeps_its_dtypes(module: nn.Module) -> bool:
+    # A complex layer (`dtype` or `param_dtype` complex): a real policy dtype
+    # would silently drop the imaginary part of its inputs and parameters.
+    return any(_is_complex(getattr(module, k, None)) for k in ("dtype", "param_dtype"))
+
+
+def _is_layer(module: nn.Module) -> bool:
+    """A Flax module (`nn.Dense`, `nn.Dropout`, ...) or any module with a `dtype` attribute."""
+    return hasattr(module, "dtype") or type(module).__module__.split(".")[0] == "flax"
 
 
 def _attribute_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
+    if _keeps_its_dtypes(module):
+        return {}
     overrides = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
     return {k: v for k, v in overrides.items() if hasattr(module, k)}
 
@@ -91,6 +134,113 @@ def _matmul_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
     return overrides
 
 
+# Flax's lifted transforms name themselves in the debug path of the scope they
+# create for their body (e.g. "remat(scan(blocks))", innermost first). Those
+# that only wrap the body leave its signature as it is.
+_TRANSPARENT_LIFTS = frozenset({"remat", "checkpoint", "jit", "vmap", "map_variables", "named_call"})
+_LIFT_NAME = re.compile(r"([A-Za-z_]\w*)\(")
+
+
+def _carry_loop(module: nn.Module) -> str | None:
+    """'scan' or 'while_loop' if this call is the body of that lifted loop, else None.
+
+    A lifted transform runs its body on a module bound to a new root scope
+    (no parent, but the module's path), whose debug path names the
+    transforms. Children of the body have a parent scope: only the body's
+    own call returns the carry.
+    """
+    scope = module.scope
+    if scope is None or scope.parent is not None or not scope.path:
+        return None
+    debug_path = getattr(scope, "debug_path", ())
+    for name in _LIFT_NAME.findall(debug_path[-1] if debug_path else ""):
+        if name in ("scan", "while_loop"):
+            return name
+        if name not in _TRANSPARENT_LIFTS:
+            return None
+    return None
+
+
+def _as_given(out: Any, given: Any) -> Any:
+    """`out` with each real floating array in the dtype of its counterpart in `given`."""
+    if jax.tree.structure(out) != jax.tree.structure(given):
+        return out
+
+    def back(o, g):
+        same = getattr(o, "shape", None) == getattr(g, "shape", None)
+        if same and _is_real_float(o) and _is_real_float(g) and o.dtype != g.dtype:
+            return o.astype(g.dtype)
+        return o
+
+    return jax.tree.map(back, out, given)
+
+
+def _restore_carry(loop: str, given_args: tuple, out: Any) -> Any:
+    """The body's result with its carry in the dtypes the loop gave it.
+
+    A scan body is `(carry, *xs) -> (carry, ys)`, a while-loop body
+    `carry -> carry`: JAX requires the carry to come out as it went in. The
+    body computes under the policy (a half carry for half layers, float32
+    for a float32 rule or parameter); the carry keeps the dtypes the model
+    gave it (e.g. the float32 state of `LSTMCell.initialize_carry`).
+    """
+    if not given_args:
+        return out
+    if loop == "while_loop":
+        return _as_given(out, given_args[0])
+    if isinstance(out, tuple) and len(out) == 2:
+        return (_as_given(out[0], given_args[0]), out[1])
+    return out
+
+
+def _is_real_float(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+        x.dtype, jnp.floating
+    )
+
+
+def _cast_inputs(policy: Policy, args: tuple, kwargs: dict, keep: Callable[[int | str], bool]):
+    """`args` and `kwargs` with floating inputs cast to compute, except the kept ones."""
+    return (
+        tuple(a if keep(i) else policy.cast_to_compute(a) for i, a in enumerate(args)),
+        {k: v if keep(k) else policy.cast_to_compute(v) for k, v in kwargs.items()},
+    )
+
+
+def _keeper(fn: Callable, names: frozenset[str]) -> Callable[[int | str], bool]:
+    """Whether an argument (position or keyword) is one of `names` of `fn`'s signature.
+
+    Raises:
+      ValueError: if a name is not a parameter of `fn`.
+    """
+    if not names:
+        return lambda key: False
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    unknown = sorted(names - {p.name for p in params})
+    if unknown:
+        inner = _unwrap_partial(fn)[0]
+        raise ValueError(
+            f"keep_inputs names {unknown[0]!r}, which is not an argument of "
+            f"{getattr(inner, '__qualname__', inner)}; its arguments are "
+            f"{[p.name for p in params]}."
+        )
+    positional = [
+        p.name
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+
+    def keep(key):
+        if isinstance(key, int):
+            return key < len(positional) and positional[key] in names
+        return key in names
+
+    return keep
+
+
 def _rematerialised(next_fun: Callable) -> Callable:
     """`next_fun` under `jax.checkpoint`: its internals are recomputed, not saved.
 
@@ -117,11 +267,27 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
         # `setup` included: parameters created there (nn.Embed's) must take the
         # module's param dtype, also where a rule changes it.
         module = context.module
-        policy = _module_policy(module, rules, _ACTIVE_POLICY.get())
+        call = _CALL.get()
+        policy, named = _module_policy(module, rules, _ACTIVE_POLICY.get(), call)
         overrides = _attribute_overrides(module, policy)
         overrides.update(_matmul_overrides(module, policy))
         saved = {name: getattr(module, name) for name in overrides}
         token = _ACTIVE_POLICY.set(policy)
+        # The model's own call: the first one, `setup` aside (Flax runs it first).
+        top = call.top and context.method_name != "setup"
+        call.top = call.top and not top
+        given = args
+        # Which inputs are cast (see `with_policy`): a layer's and those of a
+        # module a rule names, the model itself included (but not the
+        # arguments `keep_inputs` names); a module doing its own `jnp` maths
+        # gets what it is given, as in a model written by hand.
+        keep = (
+            _keeper(context.orig_method, call.keep_inputs)
+            if top
+            else lambda key: False
+        )
+        if (named or _is_layer(module)) and not _keeps_its_dtypes(module):
+            args, kwargs = _cast_inputs(policy, args, kwargs, keep)
         # Linen modules are frozen dataclasses: set the attributes for the
         # duration of this call only, and put the user's values back after.
         for name, value in overrides.items():
@@ -135,7 +301,9 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
             if remat_norms and _should_remat(module, context.method_name, policy):
                 next_fun = _rematerialised(next_fun)
             with promotion:
-                return next_fun(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
+                out = next_fun(*args, **kwargs)
+            loop = _carry_loop(module)
+            return out if loop is None else _restore_carry(loop, given, out)
         finally:
             for name, value in saved.items():
                 object.__setattr__(module, name, value)
@@ -169,19 +337,51 @@ def _returns_state(kwargs: dict) -> bool:
 
 
 def with_policy(
-    fn: Callable, policy: PolicyLike, *, rules: Rules | None = None, remat_norms: bool = True
+    fn: Callable,
+    policy: PolicyLike,
+    *,
+    rules: Rules | None = None,
+    remat_norms: bool = True,
+    keep_inputs: str | Iterable[str] = (),
 ) -> Callable:
     """Returns `fn` running under a mixed precision policy.
 
-    For a Flax linen `model.apply`, every module computes in the compute dtype
-    (its `dtype` attribute is set for the call, also where it was `None` or
-    float32) and its floating inputs are cast to that dtype; parameters stay
-    stored in the param dtype and are cast inside each module, so gradients
-    come back in the param dtype. The model's inputs are cast to compute and
-    its result to output; mutable collections (`batch_stats`) are returned as
-    the modules keep them (float32). `model.init` and `model.init_with_output`
-    create parameters in the param dtype. Any other function has its floating
-    arguments cast to compute and its result to output.
+    For a Flax linen `model.apply` (or a `functools.partial` of it), every
+    module computes in the compute dtype (its `dtype` attribute is set for the
+    call, also where it was `None` or float32); parameters stay stored in the
+    param dtype and are cast inside each module, so gradients come back in the
+    param dtype. The result is cast to the output dtype; mutable collections
+    (`batch_stats`) are returned as the modules keep them (float32).
+    `model.init` and `model.init_with_output` create each parameter in the
+    param dtype of the module that owns it (its rule's, else its parent's),
+    also `self.param(...)` of a module without a `param_dtype` attribute.
+
+    Which inputs are cast to the compute dtype: those of a *layer* (a Flax
+    module, or any module with a `dtype` attribute) and of a module a rule
+    names, the model itself included (its policy, after rules, decides: with
+    `rules={MyModel: "f32"}` the whole model, inputs included, runs in
+    float32). A module of your own without a `dtype` attribute (plain `jnp`
+    maths, e.g. a sinusoidal timestep embedding) gets what it is given, as in
+    a model written by hand: a diffusion model's float32 timesteps reach it
+    as float32. `keep_inputs` names arguments of the model's own call
+    (`__call__`, or `method=`) that are never cast, for a model that is a
+    layer; `rules={Embedding: "f32"}` keeps one module's maths in float32.
+    Integers, booleans and complex arrays are never cast, and a module whose
+    `dtype` or `param_dtype` is complex keeps both (a complex layer stays
+    complex under any policy).
+
+    Carries of lifted loops keep the dtypes the model gives them: the body of
+    `nn.scan` (also under `nn.remat`/`nn.vmap`, and the cells of `nn.RNN`)
+    and of `nn.while_loop` returns its carry cast back to the dtypes it
+    received, so an LSTM's float32 carry stays float32 while its gates
+    multiply in half, and a float32 LayerScale parameter or a float32 rule
+    inside a scanned block does not change the carry's type.
+
+    Any other function (a `lambda` around `apply`) has its floating arguments
+    cast to compute, except Flax variables (a mapping with a `"params"`
+    key, whose `batch_stats` stay float32) and the arguments `keep_inputs`
+    names, and its result cast to output; the modules it calls follow the
+    rules above. An NNX module is refused: use `jmp_policy.nnx`.
 
     Normalisation layers need no rule: Flax's norms compute their statistics
     in float32 (`force_float32_reductions`) and emit the compute dtype, so the
@@ -230,16 +430,20 @@ def with_policy(
       rules: optional `{module class or path pattern: Policy or spec}`.
       remat_norms: recompute half-precision norm layers in the backward pass
         rather than save their float32 intermediates.
+      keep_inputs: names of arguments of the model's call (or of `fn`, for a
+        plain function) whose floating arrays are passed as given, never cast.
 
     Returns:
       The wrapped function. Jit it (`jax.jit(with_policy(...))`): a jitted
       wrapped function and a jitted unwrapped one never share a trace.
 
     Raises:
-      TypeError: if `fn` is already jitted (jit the result instead), or a rule
-        key or value is of the wrong type.
+      TypeError: if `fn` is already jitted (jit the result instead), is an NNX
+        module (or is given one), or a rule key or value or `keep_inputs` is
+        of the wrong type.
       ValueError: if a policy spec is malformed; when called, if a path pattern
-        matches no module of a whole-model call.
+        matches no module of a whole-model call, or `keep_inputs` names an
+        argument the model's call does not have.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> import jmp_policy as jmp
@@ -249,6 +453,12 @@ def with_policy(
     >>> apply = jmp.with_policy(model.apply, "mixed_bfloat16", rules={"layers_2": "f32"})
     >>> variables["params"]["layers_0"]["kernel"].dtype, apply(variables, x).dtype
     (dtype('float32'), dtype('float32'))
+    >>> lstm = nn.RNN(nn.LSTMCell(4), return_carry=True)
+    >>> xs = jnp.ones((2, 5, 3))
+    >>> params = jmp.with_policy(lstm.init, "mixed_bfloat16")(jax.random.key(0), xs)
+    >>> (c, h), ys = jmp.with_policy(lstm.apply, "mixed_bfloat16")(params, xs)
+    >>> c.dtype, ys.dtype  # The carry as LSTMCell.initialize_carry made it.
+    (dtype('float32'), dtype('float32'))
     """
     if hasattr(fn, "lower") and hasattr(fn, "__wrapped__"):
         raise TypeError(
@@ -257,45 +467,58 @@ def with_policy(
         )
     if not callable(fn):
         raise TypeError(f"with_policy expects a function as its first argument, got {fn!r}.")
+    if isinstance(fn, nnx.Module) or isinstance(getattr(fn, "__self__", None), nnx.Module):
+        raise TypeError(
+            f"jmp_policy.with_policy is for Flax linen (model.apply / model.init) and "
+            f"plain functions, got the NNX module {type(getattr(fn, '__self__', fn)).__name__}; use "
+            "jmp_policy.nnx.with_policy(model, policy) or jmp_policy.nnx.PolicyModule(model, policy)."
+        )
     policy = get_policy(policy)
     rule_set = RuleSet(rules, nn.Module, "decoder/*/LayerNorm_*")
     if not isinstance(remat_norms, bool):
         raise TypeError(f"remat_norms must be True or False, got {remat_norms!r}.")
+    keep_inputs = input_names(keep_inputs)
     interceptor = _make_interceptor(rule_set, remat_norms)
-    entry = _linen_entry(fn)
-    # Rules may store some modules' parameters in another dtype; then each
-    # module's `param_dtype` decides and init casts nothing afterwards.
-    cast_params = rule_set.param_dtypes <= {policy.param_dtype}
+    target, bound_args, bound_kwargs = _unwrap_partial(fn)
+    entry = _linen_entry(target)
+    if entry is None:
+        target, bound_args, bound_kwargs = fn, (), {}
+        keep = _keeper(fn, keep_inputs)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
+        args, kwargs = (*bound_args, *args), {**bound_kwargs, **kwargs}
         token = _ACTIVE_POLICY.set(policy)
-        paths: set[str] = set()
-        matched: set[str] = set()
-        seen_token = _SEEN.set((paths, matched))
+        call = _Call(keep_inputs=keep_inputs if entry is not None else frozenset())
+        call_token = _CALL.set(call)
         try:
             with nn.intercept_methods(interceptor):
                 if entry is None:
-                    args, kwargs = policy.cast_to_compute((args, kwargs))
-                    return policy.cast_to_output(fn(*args, **kwargs))
+                    _refuse_nnx_modules(args, kwargs)
+                    # The function's floating arguments are its inputs, except
+                    # Flax variables (a mapping with "params"): modules cast
+                    # their parameters themselves, and `batch_stats` stay float32.
+                    call.top = False
+                    args, kwargs = _cast_inputs(
+                        policy, args, kwargs, lambda k: keep(k) or _is_variables((args, kwargs), k)
+                    )
+                    return policy.cast_to_output(target(*args, **kwargs))
                 # The first argument is the variables (apply) or the PRNG key
                 # (init): variables keep their dtypes; modules cast parameters.
+                # The model's inputs are cast by its root module's policy.
                 first, args, kwargs = _split_first(entry, args, kwargs)
-                args, kwargs = policy.cast_to_compute((args, kwargs))
-                result = fn(first, *args, **kwargs)
+                result = target(first, *args, **kwargs)
         finally:
             _ACTIVE_POLICY.reset(token)
-            _SEEN.reset(seen_token)
-        if entry is not None and "method" not in kwargs:
+            _CALL.reset(call_token)
+        if "method" not in kwargs:
             # A whole-model call met every module: a pattern that matched none is a typo.
-            rule_set.check_all_matched(matched, paths, fn.__self__)
+            rule_set.check_all_matched(call.matched, call.paths, getattr(target, "__self__", None))
         if entry == "init":
-            return _params_to_param_dtype(result, policy) if cast_params else result
+            return _params_to_owner_dtypes(result, call.owners, policy)
         if entry == "init_with_output":
             out, variables = result
-            if cast_params:
-                variables = _params_to_param_dtype(variables, policy)
-            return policy.cast_to_output(out), variables
+            return policy.cast_to_output(out), _params_to_owner_dtypes(variables, call.owners, policy)
         if _returns_state(kwargs):
             out, state = result
             return policy.cast_to_output(out), state
@@ -304,8 +527,46 @@ def with_policy(
     return wrapped
 
 
-def _params_to_param_dtype(variables: Any, policy: Policy) -> Any:
-    # Modules without a `param_dtype` attribute create float32 parameters.
+def _unwrap_partial(fn: Callable) -> tuple[Callable, tuple, dict]:
+    """`(function, bound args, bound kwargs)` of a (nested) `functools.partial`."""
+    args, kwargs = (), {}
+    while isinstance(fn, functools.partial):
+        args, kwargs = (*fn.args, *args), {**fn.keywords, **kwargs}
+        fn = fn.func
+    return fn, args, kwargs
+
+
+def _is_variables(args_kwargs: tuple[tuple, dict], key: int | str) -> bool:
+    args, kwargs = args_kwargs
+    value = args[key] if isinstance(key, int) else kwargs[key]
+    return isinstance(value, Mapping) and "params" in value
+
+
+def _refuse_nnx_modules(args: tuple, kwargs: dict) -> None:
+    for leaf in jax.tree.leaves((args, kwargs), is_leaf=lambda x: isinstance(x, nnx.Module)):
+        if isinstance(leaf, nnx.Module):
+            raise TypeError(
+                f"jmp_policy.with_policy got the NNX module {type(leaf).__name__} as an "
+                "argument; an NNX model takes its policy from "
+                "jmp_policy.nnx.with_policy(model, policy) or jmp_policy.nnx.PolicyModule."
+            )
+
+
+def _params_to_owner_dtypes(variables, owners: dict[tuple[str, ...], Policy], policy: Policy):
+    """Each real floating parameter in the param dtype of the module that owns it.
+
+    Layers create their parameters in `param_dtype`; a module without that
+    attribute (`self.param(...)` in a custom module) creates float32 ones, and
+    its own policy (its rule's, or its parent's) decides, whatever rules other
+    modules have. Complex parameters stay complex.
+    """
     if "params" not in variables:
         return variables
-    return {**variables, "params": policy.cast_to_param(variables["params"])}
+
+    def cast(path, leaf):
+        keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        owner = next((owners[keys[:i]] for i in range(len(keys), -1, -1) if keys[:i] in owners), policy)
+        return owner.cast_to_param(leaf)
+
+    params = jax.tree_util.tree_map_with_path(cast, variables["params"])
+    return {**variables, "params": params}

@@ -18,9 +18,12 @@ traces again for a module under another policy (no stale trace).
 from __future__ import annotations
 
 import functools
-from collections.abc import Container
-from typing import Any, TypeVar
+import inspect
+from collections.abc import Container, Iterable
+from typing import Any, Callable, TypeVar
 
+import flax
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -30,7 +33,7 @@ from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
 from jmp_policy.core.matmul import matmul_dot_general
 from jmp_policy.core.policy import Policy, get_policy
-from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet
+from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_names
 
 M = TypeVar("M", bound=nnx.Module)
 PathParts = tuple[Any, ...]
@@ -85,19 +88,42 @@ def _nearest_prefix(path: PathParts, paths: Container[PathParts]) -> PathParts:
     return ()
 
 
-def _module_policies(module: nnx.Module, rules: RuleSet, policy: Policy) -> dict[PathParts, Policy]:
-    """The policy of every submodule, by path: its best rule, else its parent's."""
+def _module_policies(
+    module: nnx.Module, rules: RuleSet, policy: Policy
+) -> tuple[dict[PathParts, Policy], set[PathParts]]:
+    """The policy of every submodule, by path (its best rule, else its parent's),
+    and the paths of the modules a rule names."""
     modules = dict(nnx.iter_modules(module))
     matched: set[str] = set()
     resolved: dict[PathParts, Policy] = {}
+    named_paths: set[PathParts] = set()
     for path in sorted(modules, key=len):  # Parents before their children.
         inherited = resolved[_nearest_prefix(path, resolved)] if path else policy
         best, named = rules.policy_for(modules[path], _path_str(path), inherited, matched)
-        if not named and isinstance(modules[path], _NORMS):
+        if named:
+            named_paths.add(path)
+        elif isinstance(modules[path], _NORMS):
             best = _norm_policy(best)
         resolved[path] = best
     rules.check_all_matched(matched, (_path_str(p) for p in modules), module)
-    return resolved
+    return resolved, named_paths
+
+
+def _is_complex(dtype: Any) -> bool:
+    try:
+        return dtype is not None and np.issubdtype(np.dtype(dtype), np.complexfloating)
+    except TypeError:
+        return False
+
+
+def _keeps_its_dtypes(module: nnx.Module) -> bool:
+    # A complex layer: a real policy dtype would drop the imaginary part.
+    return any(_is_complex(getattr(module, k, None)) for k in ("dtype", "param_dtype"))
+
+
+def _is_layer(module: nnx.Module) -> bool:
+    """A Flax module or any module with a `dtype` attribute (it computes in it)."""
+    return hasattr(module, "dtype") or type(module).__module__.split(".")[0] == "flax"
 
 
 def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) -> M:
@@ -143,7 +169,9 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
       its parent's, computing in at least float32).
 
     Modules without a `dtype` attribute (custom modules doing their own
-    `jnp` maths) compute in the dtype of whatever they are given.
+    `jnp` maths) compute in the dtype of whatever they are given. A module
+    whose `dtype` or `param_dtype` is complex keeps both, and complex
+    parameters are never cast: a complex layer stays complex.
 
     A policy with a `matmul_dtype` (e.g. `"mixed_float8"`) also sets the
     products of `nnx.Linear`, `LinearGeneral`, `Einsum` and the two einsums
@@ -177,6 +205,10 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
     >>> mixed(jnp.ones((4, 3))).dtype  # The last Linear computes in float32.
     dtype('float32')
     """
+    return _with_policy(module, policy, rules)[0]
+
+
+def _with_policy(module, policy, rules) -> tuple[nnx.Module, dict[PathParts, Policy], set[PathParts]]:
     if not isinstance(module, nnx.Module):
         raise TypeError(
             f"jmp_policy.nnx.with_policy expects a flax.nnx.Module, got {module!r}; "
@@ -185,9 +217,11 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
     policy = get_policy(policy)
     rule_set = RuleSet(rules, nnx.Module, "blocks/*/norm")
     mixed = nnx.clone(module)
-    policies = _module_policies(mixed, rule_set, policy)
+    policies, named = _module_policies(mixed, rule_set, policy)
     modules = dict(nnx.iter_modules(mixed))
     for path, sub in modules.items():
+        if _keeps_its_dtypes(sub):
+            continue  # Complex parameters are left alone by `cast_to_param` too.
         p = policies[path]
         for name, dtype in (("dtype", p.compute_dtype), ("param_dtype", p.param_dtype)):
             if hasattr(sub, name):
@@ -200,7 +234,7 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
             cast = policies[_nearest_prefix(path, modules)].cast_to_param(value)
             if cast is not value:
                 node.set_value(cast)
-    return mixed
+    return mixed, policies, named
 
 
 class PolicyModule(nnx.Module):
@@ -208,19 +242,34 @@ class PolicyModule(nnx.Module):
 
     `PolicyModule(module, policy, rules=...)` holds `with_policy(module,
     policy, rules=rules)` as `.module` (a copy: `module` is left unchanged).
-    Calling it casts the floating arguments to the compute dtype, calls the
-    module, and casts the floating results to the output dtype; integers
-    (token ids), booleans and other arguments pass through. This is what
-    `jmp_policy.with_policy` does for a linen `model.apply`. Its state is the
-    module's under the prefix `module`; call other methods through `.module`.
+    Calling it calls the module and casts the floating results to the output
+    dtype. The floating arguments are cast to the compute dtype of the
+    module's own policy (after rules) when the module is a layer (a Flax
+    module, or one with a `dtype` attribute) or a rule names it, as
+    `jmp_policy.with_policy` does for a linen `model.apply`; a model of your
+    own without a `dtype` attribute gets its inputs as given, so plain `jnp`
+    maths on them (a diffusion model's timestep embedding) keeps their
+    precision, and its NNX layers cast what reaches them. Arguments that
+    `keep_inputs` names are never cast; integers (token ids), booleans and
+    complex arrays never are. Its state is the module's under the prefix
+    `module`; call other methods through `.module`.
+
+    Under `nnx.scan` the loop carry must keep its dtype: a rule that puts a
+    layer of the scanned body in another compute dtype than its parent
+    changes it, which NNX (having no method interceptors) cannot undo; that
+    call raises a `TypeError` naming the modules and saying to cast the carry
+    back in the loop body.
 
     Args:
       module: the `nnx.Module` to run under the policy.
       policy: a `Policy` or a spec such as `"mixed_bfloat16"`.
       rules: optional per-class or per-path rules, as in `with_policy`.
+      keep_inputs: names of arguments of `module.__call__` never cast.
 
     Raises:
-      TypeError, ValueError: as `with_policy`.
+      TypeError, ValueError: as `with_policy`; TypeError if `keep_inputs` is
+        not argument names, ValueError if it names an argument `module.__call__`
+        does not have.
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from flax import nnx
@@ -239,14 +288,75 @@ class PolicyModule(nnx.Module):
     """
 
     def __init__(
-        self, module: nnx.Module, policy: PolicyLike, *, rules: Rules | None = None
+        self,
+        module: nnx.Module,
+        policy: PolicyLike,
+        *,
+        rules: Rules | None = None,
+        keep_inputs: str | Iterable[str] = (),
     ) -> None:
         self.policy = get_policy(policy)
-        self.module = with_policy(module, self.policy, rules=rules)
+        self.module, policies, named = _with_policy(module, self.policy, rules)
+        # The model's inputs are cast as any layer's: by its own policy (a
+        # rule on the model decides), if it is a layer or a rule names it.
+        root = self.module
+        casts = (() in named or _is_layer(root)) and not _keeps_its_dtypes(root)
+        self.input_policy = policies[()] if casts else None
+        self.keep_inputs = input_names(keep_inputs)
+        self._positional = _positional_names(type(root).__call__, self.keep_inputs)
+        # Modules a rule puts in another compute dtype than their parent's: the
+        # ones whose result can change the dtype of a loop carry.
+        self._switched = tuple(
+            sorted(
+                _path_str(p)
+                for p in named
+                if p and policies[p].compute_dtype != policies[_nearest_prefix(p, policies)].compute_dtype
+            )
+        )
+
+    def _keep(self, key: int | str) -> bool:
+        if isinstance(key, int):
+            return key < len(self._positional) and self._positional[key] in self.keep_inputs
+        return key in self.keep_inputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = self.policy.cast_to_compute((args, kwargs))
-        return self.policy.cast_to_output(self.module(*args, **kwargs))
+        if self.input_policy is not None:
+            args = tuple(
+                a if self._keep(i) else self.input_policy.cast_to_compute(a) for i, a in enumerate(args)
+            )
+            kwargs = {
+                k: v if self._keep(k) else self.input_policy.cast_to_compute(v) for k, v in kwargs.items()
+            }
+        try:
+            out = self.module(*args, **kwargs)
+        except TypeError as e:
+            if "carry input and carry output must have equal types" not in str(e) or not self._switched:
+                raise
+            raise TypeError(
+                f"jmp_policy.nnx: the rules put {self._switched} in another compute dtype than "
+                "their parent, and inside nnx.scan (or another loop) their result changes the "
+                "dtype of the loop's carry. NNX has no method interceptors to cast it back: "
+                "cast the carry back in the loop body (e.g. `return block(x).astype(x.dtype)`), "
+                "or drop the rule."
+            ) from e
+        return self.policy.cast_to_output(out)
+
+
+def _positional_names(method: Callable, names: frozenset[str]) -> tuple[str, ...]:
+    """The names of `module.__call__`'s positional arguments (`self` aside).
+
+    Raises:
+      ValueError: if one of `names` is not an argument of the method.
+    """
+    params = list(inspect.signature(method).parameters.values())[1:]
+    unknown = sorted(names - {p.name for p in params})
+    if unknown:
+        raise ValueError(
+            f"keep_inputs names {unknown[0]!r}, which is not an argument of "
+            f"{method.__qualname__}; its arguments are {[p.name for p in params]}."
+        )
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in params if p.kind in kinds)
 
 
 def get_loss_scale(optimizer: nnx.Optimizer | Any) -> LossScale:
@@ -274,3 +384,48 @@ def get_loss_scale(optimizer: nnx.Optimizer | Any) -> LossScale:
 
 
 
+
+
+def _is_node(x: Any) -> bool:
+    return nnx.graph.is_graph_node(x)
+
+
+def autocast_with_state(run: Callable, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """`autocast`'s call of `fn` when it is, or is given, NNX modules (graph nodes).
+
+    NNX modules update their state in place (BatchNorm statistics, `Rngs`
+    counters); an update made while `autocast` traces `fn` would belong to
+    that trace. So the modules are split (`nnx.split`), a pure function of
+    their state is traced and run, and the new state is written back
+    (`nnx.update`), eagerly as under `nnx.jit`. A module that `fn` closes over
+    is not seen: it gets a `TypeError` saying to pass it as an argument.
+    """
+    method_of = getattr(fn, "__self__", None) if inspect.ismethod(fn) else None
+    head, call = (method_of, fn.__func__) if _is_node(method_of) else (fn, None)
+    leaves, treedef = jax.tree.flatten((head, args, kwargs), is_leaf=_is_node)
+    at = [i for i, leaf in enumerate(leaves) if _is_node(leaf)]
+    if not at:
+        try:
+            return run(fn, args, kwargs)
+        except flax.errors.TraceContextError as e:
+            raise TypeError(
+                "autocast: the function updates the state of an NNX module it closes "
+                "over; pass the module as an argument (autocast(fn, policy)(model, x)) "
+                "or autocast the module itself (autocast(model, policy)(x))."
+            ) from e
+    nodes = [leaves[i] for i in at]
+    graphdef, state = nnx.split(nodes)
+    others = [None if i in at else leaf for i, leaf in enumerate(leaves)]
+
+    def pure(state, others):
+        new_nodes = nnx.merge(graphdef, state)
+        full = list(others)
+        for i, node in zip(at, new_nodes):
+            full[i] = node
+        head, a, k = jax.tree.unflatten(treedef, full)
+        out = head(*a, **k) if call is None else call(head, *a, **k)
+        return out, nnx.state(new_nodes)
+
+    out, new_state = run(pure, (state, others), {})
+    nnx.update(nodes, new_state)
+    return out

@@ -86,7 +86,9 @@ class RuleSet:
                 best, best_score = policy, score  # Ties: the rule listed first wins.
         return best, best_score is not None
 
-    def check_all_matched(self, matched: set[str], paths: Iterable[str], root: object) -> None:
+    def check_all_matched(
+        self, matched: set[str], paths: Iterable[str], root: object | None
+    ) -> None:
         """Raises if a path pattern matched none of the model's modules.
 
         Raises:
@@ -96,7 +98,7 @@ class RuleSet:
         if not unmatched:
             return
         shown = sorted({p for p in paths if p}, key=lambda p: (p.count("/"), p))[:12]
-        name = type(root).__name__
+        name = type(root).__name__ if root is not None else "model"
         where = (
             f"here {shown}"
             if shown
@@ -108,6 +110,26 @@ class RuleSet:
             f"rules path pattern {unmatched[0]!r} matches no module of the model; "
             f"patterns are fnmatch patterns over '/'-joined module paths, {where}."
         )
+
+
+def input_names(keep_inputs: str | Iterable[str]) -> frozenset[str]:
+    """The argument names of `keep_inputs` (one name or several), checked.
+
+    Raises:
+      TypeError: if they are not non-empty strings.
+    """
+    names: tuple = (keep_inputs,) if isinstance(keep_inputs, str) else ()
+    if not names:
+        try:
+            names = tuple(keep_inputs)
+        except TypeError:
+            names = (None,)
+    if not all(isinstance(n, str) and n for n in names):
+        raise TypeError(
+            "keep_inputs must be an argument name or a sequence of argument names of the "
+            f"model's __call__ (or method=), such as ('timesteps',), got {keep_inputs!r}."
+        )
+    return frozenset(names)
 
 
 def _specificity(key: type | str, module: object, path: str) -> tuple[int, int] | None:
