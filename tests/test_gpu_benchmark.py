@@ -98,7 +98,8 @@ def test_gpu_sh_tiny_mode_runs_and_writes_its_figures(tiny_run):
 
     targets = figures["targets"]
     assert set(targets) == {"with_policy_speedup_vs_float32", "with_policy_speed_vs_flax_bf16",
-                            "loss_scaled_step_time_vs_plain_adam"}
+                            "loss_scaled_step_time_vs_plain_adam",
+                            "mixed_float8_speed_vs_with_policy_bf16"}
     for t in targets.values():
         assert t["value"] > 0 and t["judged"] is False  # not judged on a CPU
 
