@@ -56,7 +56,15 @@ def test_three_argument_policy_and_existing_specs_unchanged():
     assert str(p) == "p=full,c=bf16,o=full"
     assert p == jmp.get_policy("mixed_bfloat16") == jmp.Policy(F32, BF16, F32, None)
     assert hash(p) == hash(jmp.get_policy("p=f32,c=bf16,o=f32"))
-    for spec in ("float32", "bf16", "half", "mixed_bfloat16", "mixed_float16", "c=f16", "p=f32,c=bf16"):
+    for spec in (
+        "float32",
+        "bf16",
+        "half",
+        "mixed_bfloat16",
+        "mixed_float16",
+        "c=f16",
+        "p=f32,c=bf16",
+    ):
         assert jmp.get_policy(spec).matmul_dtype is None, spec
 
 
@@ -125,7 +133,11 @@ def assert_fp8(counts, kept_out=0):
     """Every product FP8 except `kept_out` bf16 ones (a rule); forward e4m3 x e4m3,
     every backward product one e5m2 (the output gradient) and one e4m3 operand."""
     fwd = counts.pop((("f8E4M3FN", "f8E4M3FN"), "f32"), 0)
-    bwd = sum(counts.pop(((a, b), r), 0) for a, b in [("f8E5M2", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2")] for r in ("f32", "bf16"))
+    bwd = sum(
+        counts.pop(((a, b), r), 0)
+        for a, b in [("f8E5M2", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2")]
+        for r in ("f32", "bf16")
+    )
     others = sum(counts.values())
     assert fwd > 0 and bwd == 2 * fwd, (fwd, bwd, counts)
     assert others == kept_out, counts
@@ -246,7 +258,9 @@ NNX_FORWARD_DOTS = 9
 
 def nnx_dot_types(policy, rules=None) -> collections.Counter:
     model = jnnx.PolicyModule(NnxLM(nnx.Rngs(0, dropout=1)), policy, rules=rules)
-    optimizer = nnx.Optimizer(model, jmp.loss_scaled(optax.sgd(0.1), jmp.NoOpLossScale()), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(
+        model, jmp.loss_scaled(optax.sgd(0.1), jmp.NoOpLossScale()), wrt=nnx.Param
+    )
 
     def step(model, optimizer, tokens):
         def loss_fn(model):
@@ -323,7 +337,10 @@ def _fp8_and_reference(dims, x, w, g):
 
 
 def _dot64(a, b, dims):
-    return np.asarray(lax.dot_general(jnp.asarray(a, F32), jnp.asarray(b, F32), dims, lax.Precision.HIGHEST), np.float64)
+    return np.asarray(
+        lax.dot_general(jnp.asarray(a, F32), jnp.asarray(b, F32), dims, lax.Precision.HIGHEST),
+        np.float64,
+    )
 
 
 def _product_bound(a, b, da, db, dims):
@@ -331,7 +348,12 @@ def _product_bound(a, b, da, db, dims):
     float32 accumulation of both sides (K terms: K 2^-23 |a||b|, generous)."""
     a, b = np.abs(np.asarray(a, np.float64)), np.abs(np.asarray(b, np.float64))
     k = int(np.prod([a.shape[d] for d in dims[0][0]]))
-    return _dot64(da, b, dims) + _dot64(a, db, dims) + _dot64(da, db, dims) + k * 2.0**-23 * _dot64(a, b, dims)
+    return (
+        _dot64(da, b, dims)
+        + _dot64(a, db, dims)
+        + _dot64(da, db, dims)
+        + k * 2.0**-23 * _dot64(a, b, dims)
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=["matmul", "batched", "transposed", "attention"])
@@ -359,7 +381,10 @@ def test_fp8_error_within_rounding_bounds(case):
     g = _normal(rng, out_shape)
     (y, (gx, gw)), (ref, (rx, rw)) = _fp8_and_reference(dims, x, w, g)
     assert y.dtype == F32
-    dx_, dw_ = _error_bound(x, U_E4M3, TINY_E4M3, E4M3_MAX), _error_bound(w, U_E4M3, TINY_E4M3, E4M3_MAX)
+    dx_, dw_ = (
+        _error_bound(x, U_E4M3, TINY_E4M3, E4M3_MAX),
+        _error_bound(w, U_E4M3, TINY_E4M3, E4M3_MAX),
+    )
     err = np.abs(np.asarray(y, np.float64) - np.asarray(ref, np.float64))
     assert (err <= _product_bound(x, w, dx_, dw_, dims)).all()
     rel = np.linalg.norm(err) / np.linalg.norm(ref)
@@ -388,7 +413,9 @@ def test_fp8_exact_on_fp8_numbers(case):
     ones; times any power of two (the scale is one), the products are exact."""
     lhs_shape, rhs_shape, dims = case
     rng = np.random.default_rng(1)
-    out_shape = jax.eval_shape(lambda x, w: lax.dot_general(x, w, dims), jnp.ones(lhs_shape), jnp.ones(rhs_shape)).shape
+    out_shape = jax.eval_shape(
+        lambda x, w: lax.dot_general(x, w, dims), jnp.ones(lhs_shape), jnp.ones(rhs_shape)
+    ).shape
     for power in (-7, 9):
         x = _integers(rng, lhs_shape, 16) * 2.0**power
         w = _integers(rng, rhs_shape, 16) * 2.0**-3
@@ -422,7 +449,9 @@ def test_fp8_non_finite_operand_propagates(bad):
     y = jmp.fp8_dot_general(x, jnp.ones((8, 3)), dims)
     assert not np.isfinite(np.asarray(y)).all()
     # A non-finite output gradient reaches both cotangents.
-    _, vjp = jax.vjp(lambda x, w: jmp.fp8_dot_general(x, w, dims), jnp.ones((4, 8)), jnp.ones((8, 3)))
+    _, vjp = jax.vjp(
+        lambda x, w: jmp.fp8_dot_general(x, w, dims), jnp.ones((4, 8)), jnp.ones((8, 3))
+    )
     gx, gw = vjp(jnp.ones((4, 3)).at[0, 0].set(bad))
     assert not np.isfinite(np.asarray(gx)).all() and not np.isfinite(np.asarray(gw)).all()
 
@@ -510,7 +539,9 @@ def standard_promotion():
 def test_transformer_mixed_float8_trains_like_mixed_bfloat16(lm, standard_promotion):
     bf16 = lm.train("mixed_bfloat16", None, STEPS, seed=0, evaluate=False)
     fp8 = lm.train("mixed_float8", None, STEPS, seed=0, evaluate=False)
-    print(f"final loss: mixed_bfloat16 {bf16['final_loss']:.4f}, mixed_float8 {fp8['final_loss']:.4f}")
+    print(
+        f"final loss: mixed_bfloat16 {bf16['final_loss']:.4f}, mixed_float8 {fp8['final_loss']:.4f}"
+    )
     assert fp8["skipped"] == 0 and np.isfinite(fp8["losses"]).all()
     assert abs(fp8["final_loss"] - bf16["final_loss"]) < FP8_TOLERANCE
     assert {str(leaf.dtype) for leaf in jax.tree.leaves(fp8["params"])} == {"float32"}

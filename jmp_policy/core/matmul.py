@@ -417,7 +417,8 @@ def _transposed_products(
 
     specs = [jax.ShapeDtypeStruct(x.shape, F32) for x in (lhs, rhs, g)]
     closed = jax.make_jaxpr(transposes)(*specs)
-    return ji.eval_jaxpr(closed.jaxpr, closed.consts, [lhs, rhs, g], rule)
+    lhs_bar, rhs_bar = ji.eval_jaxpr(closed.jaxpr, closed.consts, [lhs, rhs, g], rule)
+    return lhs_bar, rhs_bar
 
 
 def fp8_product(product: Product, lhs: Any, rhs: Any, out_dtype: np.dtype) -> jax.Array:

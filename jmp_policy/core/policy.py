@@ -237,7 +237,7 @@ def _parse_dtype(value: str) -> np.dtype:
 
 def _parse_matmul_dtype(value: str) -> np.dtype:
     if value == "half":
-        return half_dtype()
+        return np.dtype(half_dtype())
     try:
         return _NAME_TO_MATMUL[value]
     except KeyError:
