@@ -16,16 +16,22 @@ matmul/convolution count, its compiled form runs 20 Adam steps from the
 same initial weights on the model's own batch. Checked per variant:
 
 * every loss is finite, and the loss falls;
-* the final loss is within the model's `loss_rtol` (5% unless stated) of
-  float32's;
+* the final loss is within `LOSS_TOL` of float32's: 2% of float32's
+  initial loss. The hand-written bf16 models deviate by at most 0.14% of it
+  (side_inputs), float16 with skipped steps by less than 0.1% once aligned;
+  the complex model that loses its imaginary part (point 6) by 9.5%;
 * where the hand-written bf16 model exists, the variant's error against
-  float32 (mean over the 20 steps of |loss - float32 loss|) is at most 1.5x
-  the hand-written model's plus `ERR_FLOOR` (see there);
+  float32 (mean over the 20 steps of |loss - float32 loss|, relative to the
+  initial loss) is at most 1.5x the hand-written model's plus `ERR_FLOOR`
+  (half a bfloat16 rounding of the loss, see there); steps skipped by the
+  float16 loss scale are aligned with float32's (`aligned_reference`);
 * every `dot_general` and `convolution` of the lowered step has half
   operands, except the `kept_f32` ones the model declares (a rule, the
   model's own float32 maths, complex numbers), counted exactly;
 * parameters stay float32 (complex ones complex64) and equal the float32
-  initialisation, batch statistics stay float32.
+  initialisation, batch statistics stay float32;
+* the encoder-decoder's greedy decoding through `mutable=["cache"]` gives
+  the tokens of its uncached decoder (`test_cached_decoding_matches_uncached`).
 
 Variants that fail because of a library defect listed in issue 10 are
 marked `xfail` with the point's number. Everything runs under JAX's default
@@ -50,6 +56,10 @@ from flax import nnx
 
 import jmp_policy
 import jmp_policy.nnx as jnnx
+
+# Compiling about 90 train steps takes longer than the 2.5 minutes this
+# file may take on 2 cores: the whole file is `slow` (it still runs by default).
+pytestmark = pytest.mark.slow
 
 STEPS = 20
 # XLA:CPU compile options for the zoo's steps: no LLVM optimisation and the
@@ -309,19 +319,28 @@ def test_cached_decoding_matches_uncached(name, variant):
 
 @pytest.fixture(scope="module", autouse=True)
 def _print_report():
-    """Prints each run's final loss, error and times (`pytest -s tests/test_zoo.py`)."""
+    """Prints each run's losses, errors and times (`pytest -s tests/test_zoo.py`).
+
+    `f32 final` is float32's loss after as many applied updates (see
+    `aligned_reference`), `final dev` the difference as a fraction of
+    float32's initial loss (the `LOSS_TOL` criterion).
+    """
     start = time.perf_counter()
     yield
     print(f"\nzoo: {len(_RUNS)} runs, {time.perf_counter() - start:.1f} s")
     print(
-        f"{'model':<22}{'variant':<18}{'final':>9}{'f32 final':>10}{'traj err':>10}"
-        f"{'half ops':>10}{'skipped':>8}{'compile':>9}{'train':>7}"
+        f"{'model':<22}{'variant':<18}{'initial':>9}{'final':>9}{'f32 final':>10}"
+        f"{'final dev':>10}{'traj err':>10}{'half ops':>10}{'skipped':>8}{'compile':>9}{'train':>7}"
     )
     for (name, variant), r in sorted(_RUNS.items()):
         ref = _RUNS.get((name, "float32"))
-        err = trajectory_error(r, ref) if ref else float("nan")
+        if ref is None:
+            continue
+        ref_final = aligned_reference(r, ref)[-1]
         half = sum(all(t in HALF for t in types) for _, types in r.ops)
         print(
-            f"{name:<22}{variant:<18}{r.losses[-1]:>9.4f}{ref.losses[-1] if ref else 0:>10.4f}"
-            f"{err:>10.5f}{f'{half}/{len(r.ops)}':>10}{r.skipped[-1]:>8}{r.compile_s:>8.2f}s{r.train_s:>6.2f}s"
+            f"{name:<22}{variant:<18}{r.losses[0]:>9.4f}{r.losses[-1]:>9.4f}{ref_final:>10.4f}"
+            f"{abs(r.losses[-1] - ref_final) / ref.losses[0]:>10.5f}"
+            f"{trajectory_error(r, ref):>10.5f}{f'{half}/{len(r.ops)}':>10}"
+            f"{r.skipped[-1]:>8}{r.compile_s:>8.2f}s{r.train_s:>6.2f}s"
         )
