@@ -79,7 +79,19 @@ def loss(apply, variables, batch, rng):
     return _ce(apply(variables, batch["x"]), batch["y"]), {}
 
 
-LINEN = [LinenSpec("transformer_scan", TransformerLM, data, loss)]
+# The policies keep the output layer in float32 by a rule, a common choice for
+# the logits: its matmul, forward and two gradients, keeps float32 operands.
+HEAD_F32 = {"head": "f32"}
+LINEN = [
+    LinenSpec(
+        "transformer_scan",
+        TransformerLM,
+        data,
+        loss,
+        rules=HEAD_F32,
+        kept_f32={"mixed_bfloat16": 3, "mixed_float16": 3},
+    )
+]
 
 
 class NnxBlock(nnx.Module):
