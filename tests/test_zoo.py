@@ -269,8 +269,7 @@ def test_zoo_trains(name, variant):
     assert r.losses[-1] < r.losses[0], r.losses
 
     # Half operands everywhere but where the model keeps float32 on purpose.
-    kinds = [tuple(t for t in types) for _, types in r.ops]
-    half = sum(all(t in HALF for t in types) for types in kinds)
+    half = sum(all(t in HALF for t in types) for _, types in r.ops)
     if variant == "float32":
         assert half == 0 and r.ops, r.ops
     else:
