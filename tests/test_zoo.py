@@ -145,8 +145,12 @@ def linen_fns(spec: zoo.LinenSpec, variant: str, model) -> tuple[Any, Any]:
     policy = _policy(variant)
     if policy:
         return (
-            jmp_policy.with_policy(model.init, policy, rules=spec.rules),
-            jmp_policy.with_policy(model.apply, policy, rules=spec.rules),
+            jmp_policy.with_policy(
+                model.init, policy, rules=spec.rules, keep_inputs=spec.keep_inputs
+            ),
+            jmp_policy.with_policy(
+                model.apply, policy, rules=spec.rules, keep_inputs=spec.keep_inputs
+            ),
         )
     if variant == "autocast":
         return model.init, jmp_policy.autocast(model.apply, "mixed_bfloat16")

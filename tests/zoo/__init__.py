@@ -48,6 +48,8 @@ class LinenSpec:
     handwritten: bool = True
     kept_f32: Mapping[str, int] = dataclasses.field(default_factory=dict)
     rules: Mapping[Any, str] | None = None
+    # Arguments of the model's call that the policy keeps as given (`keep_inputs`).
+    keep_inputs: tuple[str, ...] = ()
     xfail: Mapping[str, str] = dataclasses.field(default_factory=dict)
     learning_rate: float = 3e-3
     # Tolerance of each half variant's final loss against float32's, as a

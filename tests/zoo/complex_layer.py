@@ -15,7 +15,6 @@ from zoo import LinenSpec, NnxSpec
 
 DIM, HIDDEN, CLASSES, BATCH = 8, 16, 4, 8
 C64 = jnp.complex64
-POINT_6 = "issue 10 point 6: the policy makes complex layers real, dropping the imaginary part"
 
 
 def mod_sigmoid(z):
@@ -57,8 +56,7 @@ COMPLEX_DOTS = 5
 KEPT = {"mixed_bfloat16": COMPLEX_DOTS, "mixed_float16": COMPLEX_DOTS,
         "autocast": COMPLEX_DOTS, "handwritten_bf16": COMPLEX_DOTS}  # fmt: skip
 
-XFAIL = {"mixed_bfloat16": POINT_6, "mixed_float16": POINT_6}
-LINEN = [LinenSpec("complex", ComplexNet, data, loss, kept_f32=KEPT, xfail=XFAIL)]
+LINEN = [LinenSpec("complex", ComplexNet, data, loss, kept_f32=KEPT)]
 
 
 class NnxComplexNet(nnx.Module):
@@ -77,4 +75,4 @@ def nnx_loss(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
-NNX = [NnxSpec("complex_nnx", NnxComplexNet, data, nnx_loss, kept_f32=KEPT, xfail=XFAIL)]
+NNX = [NnxSpec("complex_nnx", NnxComplexNet, data, nnx_loss, kept_f32=KEPT)]

@@ -13,8 +13,6 @@ from flax import nnx
 from zoo import LinenSpec, NnxSpec
 
 VOCAB, HIDDEN, BATCH, LENGTH = 12, 16, 8, 8
-POINT_1 = "issue 10 point 1: nn.RNN carry is float32, the policy's cell returns a bf16 carry"
-POINT_3 = "issue 10 point 3: autocast of an NNX module mutating state (nnx.RNN's RngCount)"
 
 
 def data():
@@ -57,10 +55,9 @@ def loss(apply, variables, batch, rng):
     return _ce(apply(variables, batch["x"]), batch["y"]), {}
 
 
-POLICY_XFAIL = {"mixed_bfloat16": POINT_1, "mixed_float16": POINT_1}
 LINEN = [
-    LinenSpec("lstm", LSTMTagger, data, loss, learning_rate=1e-2, xfail=POLICY_XFAIL),
-    LinenSpec("bigru", BiGRUTagger, data, loss, learning_rate=1e-2, xfail=POLICY_XFAIL),
+    LinenSpec("lstm", LSTMTagger, data, loss, learning_rate=1e-2),
+    LinenSpec("bigru", BiGRUTagger, data, loss, learning_rate=1e-2),
 ]
 
 
@@ -85,6 +82,5 @@ NNX = [
         data,
         nnx_loss,
         learning_rate=1e-2,
-        xfail={"autocast": POINT_3},
     )
 ]

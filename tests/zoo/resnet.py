@@ -108,9 +108,5 @@ NNX = [
         make_nnx,
         data,
         nnx_loss,
-        xfail={
-            "autocast": "issue 10 point 3: autocast of an NNX module mutating BatchStat "
-            "(TraceContextError)"
-        },
     )
 ]

@@ -145,10 +145,6 @@ def nnx_loss(model, batch):
     return _ce(model(batch["x"]), batch["y"])
 
 
-POINT_3 = (
-    "issue 10 point 3: autocast of an NNX module: nnx.scan cannot extract its graph nodes "
-    "from autocast's trace"
-)
 # Not jmp_policy's: Flax NNX attention calls jax.nn.dot_product_attention, which
 # asks float16 queries for the F16_F16_F32 dot algorithm; XLA:CPU rejects it
 # once the product is transposed (here under nnx.remat and grad), and the
@@ -163,6 +159,6 @@ NNX = [
         NnxTransformerLM,
         data,
         nnx_loss,
-        xfail={"autocast": POINT_3, "mixed_float16": CPU_F16},
+        xfail={"mixed_float16": CPU_F16},
     )
 ]
