@@ -130,8 +130,11 @@ def train(steps: int, fsdp: bool, overflow_at: int | None, overflow_process: int
         # Replicated scalars: every process reads its own copy.
         scale = float(jmp_policy.get_loss_scale(opt_state).loss_scale.addressable_data(0))
         skipped = int(opt_state.total_notfinite.addressable_data(0))
-        print(f"process {me} step {i}: loss {float(loss.addressable_data(0)):.4f} "
-              f"loss scale {scale:g} skipped steps so far {skipped}", flush=True)
+        print(
+            f"process {me} step {i}: loss {float(loss.addressable_data(0)):.4f} "
+            f"loss scale {scale:g} skipped steps so far {skipped}",
+            flush=True,
+        )
     digest = hashlib.sha256()
     for leaf in jax.tree.leaves(params):
         for shard in sorted(leaf.addressable_shards, key=lambda s: str(s.index)):
@@ -156,14 +159,23 @@ def demo(argv_rest: Sequence[str]) -> int:
     procs, logs = [], []
     try:
         for i in range(DEMO_PROCESSES):
-            cmd = [sys.executable, os.path.abspath(__file__), "--coordinator",
-                   f"localhost:{port}", "--num-processes", str(DEMO_PROCESSES),
-                   "--process-id", str(i), *argv_rest]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--coordinator",
+                f"localhost:{port}",
+                "--num-processes",
+                str(DEMO_PROCESSES),
+                "--process-id",
+                str(i),
+                *argv_rest,
+            ]
             # Process 0 prints to this terminal; the others into files, shown at the end.
             log = None if i == 0 else tempfile.TemporaryFile()  # noqa: SIM115 (closed below)
             logs.append(log)
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
+            )
         deadline = time.monotonic() + DEMO_TIMEOUT
         while any(p.poll() is None for p in procs):
             if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
@@ -191,20 +203,40 @@ def demo(argv_rest: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--demo", action="store_true",
-                        help="start two processes on this machine (4 CPU devices each)")
-    parser.add_argument("--coordinator", default=os.environ.get("JMP_COORDINATOR"),
-                        help="HOST:PORT of process 0 (env JMP_COORDINATOR)")
-    parser.add_argument("--num-processes", type=int,
-                        default=os.environ.get("JMP_NUM_PROCESSES"),
-                        help="processes in the job (env JMP_NUM_PROCESSES)")
-    parser.add_argument("--process-id", type=int, default=os.environ.get("JMP_PROCESS_ID"),
-                        help="this process's index, 0 .. N-1 (env JMP_PROCESS_ID)")
+    parser.add_argument(
+        "--demo",
+        action="store_true",
+        help="start two processes on this machine (4 CPU devices each)",
+    )
+    parser.add_argument(
+        "--coordinator",
+        default=os.environ.get("JMP_COORDINATOR"),
+        help="HOST:PORT of process 0 (env JMP_COORDINATOR)",
+    )
+    parser.add_argument(
+        "--num-processes",
+        type=int,
+        default=os.environ.get("JMP_NUM_PROCESSES"),
+        help="processes in the job (env JMP_NUM_PROCESSES)",
+    )
+    parser.add_argument(
+        "--process-id",
+        type=int,
+        default=os.environ.get("JMP_PROCESS_ID"),
+        help="this process's index, 0 .. N-1 (env JMP_PROCESS_ID)",
+    )
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--fsdp", action="store_true",
-                        help="shard parameters and Adam state over the mesh (default: replicated)")
-    parser.add_argument("--overflow-at", type=int, default=None,
-                        help="make one process's rows overflow float16 at this step")
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard parameters and Adam state over the mesh (default: replicated)",
+    )
+    parser.add_argument(
+        "--overflow-at",
+        type=int,
+        default=None,
+        help="make one process's rows overflow float16 at this step",
+    )
     parser.add_argument("--overflow-process", type=int, default=1)
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -227,13 +259,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         process_id=args.process_id,
     )
     if not 0 <= args.overflow_process < jax.process_count():
-        parser.error(f"--overflow-process: must be in [0, {jax.process_count()}), "
-                     f"got {args.overflow_process}")
+        parser.error(
+            f"--overflow-process: must be in [0, {jax.process_count()}), "
+            f"got {args.overflow_process}"
+        )
     try:
         checksum = train(args.steps, args.fsdp, args.overflow_at, args.overflow_process)
-        print(f"process {jax.process_index()} of {jax.process_count()}: "
-              f"{len(jax.local_devices())} local of {len(jax.devices())} devices, "
-              f"checksum of its parameter shards {checksum}", flush=True)
+        print(
+            f"process {jax.process_index()} of {jax.process_count()}: "
+            f"{len(jax.local_devices())} local of {len(jax.devices())} devices, "
+            f"checksum of its parameter shards {checksum}",
+            flush=True,
+        )
     finally:
         jax.distributed.shutdown()
     return 0

@@ -95,7 +95,11 @@ def train(policy_spec: str, loss_scale: float | None, steps: int, seed: int = 0)
     """Trains under one policy; returns losses, accuracy and loss-scale state."""
     sample, (x_test, y_test) = make_data(seed)
     model = jnnx.PolicyModule(MLP(nnx.Rngs(seed, dropout=seed + 1)), policy_spec)
-    scale = jmp_policy.NoOpLossScale() if loss_scale is None else jmp_policy.DynamicLossScale(loss_scale)
+    scale = (
+        jmp_policy.NoOpLossScale()
+        if loss_scale is None
+        else jmp_policy.DynamicLossScale(loss_scale)
+    )
     tx = jmp_policy.loss_scaled(optax.adam(LEARNING_RATE), scale)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 

@@ -96,7 +96,9 @@ def hlo_ops(text: str, names: tuple[str, ...] | None = None) -> list[HloOp]:
             continue
         signature = line.rsplit(" : ", 1)[1]
         ins, outs = signature.split("->", 1) if "->" in signature else (signature, signature)
-        found.append(HloOp(match[1], tuple(_TENSOR.findall(ins)), tuple(_TENSOR.findall(outs)), line))
+        found.append(
+            HloOp(match[1], tuple(_TENSOR.findall(ins)), tuple(_TENSOR.findall(outs)), line)
+        )
     wanted = CONTRACTIONS if names is None else tuple(n for n in names if n in CONTRACTIONS)
     seen = sum(op.name in wanted for op in found)
     in_text = sum(m[1] in wanted for m in _CONTRACTION_ANYWHERE.finditer(text))

@@ -592,7 +592,8 @@ def test_autocast_of_nnx_module_updates_its_state_as_the_module_does(form):
     assert not np.allclose(np.asarray(plain_model.norm.mean[...]), 0)  # They did move.
     assert_close(stats, plain_stats)
     np.testing.assert_array_equal(
-        np.asarray(auto_model.dropout.rngs.count[...]), np.asarray(plain_model.dropout.rngs.count[...])
+        np.asarray(auto_model.dropout.rngs.count[...]),
+        np.asarray(plain_model.dropout.rngs.count[...]),
     )
 
 

@@ -55,7 +55,10 @@ def test_demo_quick_as_module(tmp_path):
     png = tmp_path / "tmp.png"
     proc = subprocess.run(
         [sys.executable, "-m", "jmp_policy", "demo", "--quick", "--output", str(png)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -88,20 +91,41 @@ def test_default_demo_shows_the_result_of_the_paper(tmp_path):
 
 def _result(name, accuracy, loss=0.01):
     return demo.RunResult(
-        name=name, policy=demo.CONFIGS[0].policy, losses=np.ones(3), zero_grads=np.zeros(3),
-        loss_scales=np.ones(3), skipped_at=np.zeros(0, np.int64), final_loss=loss,
-        test_accuracy=accuracy, step_ms=1.0, skipped=0, final_loss_scale=1.0, params={},
+        name=name,
+        policy=demo.CONFIGS[0].policy,
+        losses=np.ones(3),
+        zero_grads=np.zeros(3),
+        loss_scales=np.ones(3),
+        skipped_at=np.zeros(0, np.int64),
+        final_loss=loss,
+        test_accuracy=accuracy,
+        step_ms=1.0,
+        skipped=0,
+        final_loss_scale=1.0,
+        params={},
     )
 
 
 def test_demo_verdict_is_decided_by_the_numbers():
-    worse = demo._verdict([_result(RUN_NAMES[0], 0.98), _result(RUN_NAMES[1], 0.978),
-                           _result(RUN_NAMES[2], 0.98), _result(RUN_NAMES[3], 0.95, 0.2)])
+    worse = demo._verdict(
+        [
+            _result(RUN_NAMES[0], 0.98),
+            _result(RUN_NAMES[1], 0.978),
+            _result(RUN_NAMES[2], 0.98),
+            _result(RUN_NAMES[3], 0.95, 0.2),
+        ]
+    )
     assert "matches float32" in worse[0] and "clearly worse: -3.0 points" in worse[1]
     same = demo._verdict([_result(n, 0.98) for n in RUN_NAMES])
     assert "not clearly worse" in same[1]
-    off = demo._verdict([_result(RUN_NAMES[0], 0.98), _result(RUN_NAMES[1], 0.95),
-                         _result(RUN_NAMES[2], 0.98), _result(RUN_NAMES[3], 0.98)])
+    off = demo._verdict(
+        [
+            _result(RUN_NAMES[0], 0.98),
+            _result(RUN_NAMES[1], 0.95),
+            _result(RUN_NAMES[2], 0.98),
+            _result(RUN_NAMES[3], 0.98),
+        ]
+    )
     assert "did NOT match" in off[0]
 
 
@@ -191,7 +215,9 @@ def test_writability_check_leaves_no_file_behind(tmp_path, capsys, monkeypatch):
 def test_unknown_subcommand_as_module_has_no_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "jmp_policy", "frobnicate"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert_one_line_error(proc.returncode, proc.stderr)
     assert "frobnicate" in proc.stderr
@@ -208,8 +234,18 @@ def test_help_exits_0(capsys):
 def test_doctor_command_on_the_demo_model(tmp_path, capsys):
     png = tmp_path / "doctor.png"
     # The batch size of `demo --quick`: the compiled steps of that test are reused.
-    rc = cli.main(["doctor", "--steps", "5", "--batch-size", str(demo.QUICK_BATCH_SIZE),
-                   "--output", str(png), "--no-progress"])
+    rc = cli.main(
+        [
+            "doctor",
+            "--steps",
+            "5",
+            "--batch-size",
+            str(demo.QUICK_BATCH_SIZE),
+            "--output",
+            str(png),
+            "--no-progress",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     for path in ("params/Dense_0/kernel", "perturbations/logits", "perturbations/hidden_0"):
@@ -229,9 +265,7 @@ def test_bench_runs_each_shipped_benchmark_with_quick(monkeypatch, capfd):
     assert cli.main(["bench", "--quick"]) == 0
     names = bench.benchmark_names()
     assert {"loss_scaling", "transformer"} <= set(names)
-    assert [c[2:] for c in calls] == [
-        [f"jmp_policy.app.benchmarks.{n}", "--quick"] for n in names
-    ]
+    assert [c[2:] for c in calls] == [[f"jmp_policy.app.benchmarks.{n}", "--quick"] for n in names]
     assert f"{len(names)} benchmark(s) ran" in capfd.readouterr().out
 
 
@@ -256,8 +290,9 @@ def test_bench_unknown_name(capsys):
         (["demo", "--quick"], "sklearn", "demo"),
     ],
 )
-def test_a_missing_extra_is_named_with_its_pip_command(argv, missing, extra, monkeypatch, capsys,
-                                                       no_training, tmp_path):
+def test_a_missing_extra_is_named_with_its_pip_command(
+    argv, missing, extra, monkeypatch, capsys, no_training, tmp_path
+):
     # A core-only install (`pip install jmp_policy`) has no Flax, no jmp, no scikit-learn.
     find_spec = cli.importlib.util.find_spec
     monkeypatch.setattr(

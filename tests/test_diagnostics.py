@@ -20,8 +20,7 @@ from helpers import assert_png
 
 def test_diagnose_known_shares():
     # 8 values: 2 below 2^-24, 2 more below 2^-14, 1 above 65504.
-    g = np.array([2.0**-30, 2.0**-26, 2.0**-20, 2.0**-16, 2.0**-5, 0.125, 1.0, 2.0**17],
-                 np.float32)
+    g = np.array([2.0**-30, 2.0**-26, 2.0**-20, 2.0**-16, 2.0**-5, 0.125, 1.0, 2.0**17], np.float32)
     report = diagnostics.diagnose({"a": jnp.asarray(g), "steps": jnp.int32(3)})
     (stats,) = report.arrays  # the integer leaf is not a gradient
     assert stats.path == "a" and stats.shape == (8,)
@@ -98,7 +97,8 @@ def test_find_matmuls_aligned_and_conv():
     assert [(m.m, m.n, m.k, m.misaligned) for m in mm] == [(16, 64, 32, {})]
     conv = diagnostics.find_matmuls(
         lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME"),
-        jnp.ones((2, 3, 8, 8)), jnp.ones((16, 3, 3, 3)),
+        jnp.ones((2, 3, 8, 8)),
+        jnp.ones((16, 3, 3, 3)),
     )
     (c,) = conv
     assert (c.m, c.n, c.k) == (2 * 8 * 8, 16, 27) and c.misaligned == {"K": 27}

@@ -122,7 +122,11 @@ def test_nnx_example_prints_a_row_per_policy(capsys):
     assert "NNX" in lines[0] and "40 Adam steps" in lines[0]
     rows = {line.split()[0]: line.split() for line in lines if line.startswith(("float", "mixed"))}
     assert list(rows) == ["float32", "mixed_bfloat16", "mixed_float16"]
-    expected_compute = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
+    expected_compute = {
+        "float32": "float32",
+        "mixed_bfloat16": "bfloat16",
+        "mixed_float16": "float16",
+    }
     for name, row in rows.items():
         r = results[name]
         assert row[1] == f"{r['final_loss']:.4f}"

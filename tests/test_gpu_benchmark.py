@@ -52,8 +52,15 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_bench")
     # A budget far above the run's need, so that a busy machine skips no variant.
     env = _env(out, JMP_POLICY_BENCH_SIZE="tiny", JMP_POLICY_BENCH_BUDGET_S="900")
-    run = subprocess.run(["bash", str(SCRIPT)], cwd=out, env=env, capture_output=True,
-                         text=True, timeout=900, check=False)
+    run = subprocess.run(
+        ["bash", str(SCRIPT)],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     return out, run
 
 
@@ -65,9 +72,23 @@ def test_gpu_sh_tiny_mode_runs_and_writes_its_figures(tiny_run):
     log = (out / bench.LOG_NAME).read_text()
     assert "variant" in log and "tokens/s" in log and "x float32" in log and "MFU" in log
 
-    for key in ("device_kind", "backend", "jax_version", "size", "config", "matmul_params",
-                "tokens_per_step", "flops_per_step", "flops_formula", "peak_bf16_dense_tflops",
-                "budget_s", "rounds", "wall_s", "variants", "targets"):
+    for key in (
+        "device_kind",
+        "backend",
+        "jax_version",
+        "size",
+        "config",
+        "matmul_params",
+        "tokens_per_step",
+        "flops_per_step",
+        "flops_formula",
+        "peak_bf16_dense_tflops",
+        "budget_s",
+        "rounds",
+        "wall_s",
+        "variants",
+        "targets",
+    ):
         assert key in figures, key
     assert figures["size"] == "tiny" and figures["backend"] == "cpu"
     cfg = bench.CONFIGS["tiny"]
@@ -88,7 +109,8 @@ def test_gpu_sh_tiny_mode_runs_and_writes_its_figures(tiny_run):
         assert len(entry["step_ms_rounds"]) == figures["rounds"]
         assert entry["step_ms_median"] > 0 and entry["compile_s"] > 0
         assert entry["tokens_per_s"] == pytest.approx(
-            cfg.tokens_per_step / (entry["step_ms_median"] / 1e3))
+            cfg.tokens_per_step / (entry["step_ms_median"] / 1e3)
+        )
         assert entry["mfu"] is None
         assert entry["speedup_vs_float32"] > 0 and entry["speedup_vs_flax_bf16"] > 0
         # The same parameters and tokens: the first loss agrees up to bfloat16 rounding.
@@ -97,17 +119,27 @@ def test_gpu_sh_tiny_mode_runs_and_writes_its_figures(tiny_run):
     assert variants[bench.BY_HAND]["speedup_vs_flax_bf16"] == 1.0
 
     targets = figures["targets"]
-    assert set(targets) == {"with_policy_speedup_vs_float32", "with_policy_speed_vs_flax_bf16",
-                            "loss_scaled_step_time_vs_plain_adam",
-                            "mixed_float8_speed_vs_with_policy_bf16"}
+    assert set(targets) == {
+        "with_policy_speedup_vs_float32",
+        "with_policy_speed_vs_flax_bf16",
+        "loss_scaled_step_time_vs_plain_adam",
+        "mixed_float8_speed_vs_with_policy_bf16",
+    }
     for t in targets.values():
         assert t["value"] > 0 and t["judged"] is False  # not judged on a CPU
 
 
 def test_bad_size_in_the_environment_is_a_usage_error(tmp_path):
     env = _env(tmp_path, JMP_POLICY_BENCH_SIZE="huge")
-    run = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=120, check=False)
+    run = subprocess.run(
+        ["bash", str(SCRIPT)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert run.returncode == 2
     assert "JMP_POLICY_BENCH_SIZE: 'huge' is not one of auto, gpu, tiny" in run.stderr
     assert not (tmp_path / bench.JSON_NAME).exists()
@@ -133,7 +165,8 @@ def test_matmul_parameter_count_is_the_models():
         bench.TransformerLM(cfg).init, jax.random.key(0), jnp.zeros((1, cfg.seq), jnp.int32)
     )
     kernels = [
-        leaf.size for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)
+        leaf.size
+        for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)
         if jax.tree_util.keystr(path).endswith("['kernel']")
     ]
     assert sum(kernels) == bench.matmul_params(cfg)
@@ -159,8 +192,11 @@ def test_gpu_size_step_lowers_with_the_matmul_dtypes_each_variant_claims():
                 continue
             _, _, tx, step = bench._build(v, cfg)
             state = jax.eval_shape(tx.init, params)
-            precision = (jax.default_matmul_precision(v.precision) if v.precision
-                         else contextlib.nullcontext())
+            precision = (
+                jax.default_matmul_precision(v.precision)
+                if v.precision
+                else contextlib.nullcontext()
+            )
             with precision:
                 text = jax.jit(step).lower(params, state, tokens).as_text()
             dots = dot.findall(text)

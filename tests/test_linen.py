@@ -242,7 +242,10 @@ def test_module_without_dtype_gets_what_it_is_given_unless_a_rule_names_it():
     model = nn.Sequential([nn.LayerNorm(), Residual(), nn.Dense(4)])
     x = jnp.ones((2, 8))
     variables = jax.eval_shape(model.init, jax.random.key(0), x)
-    for rules, residual in [({nn.LayerNorm: "f32"}, F32), ({nn.LayerNorm: "f32", Residual: "mixed_bfloat16"}, BF16)]:
+    for rules, residual in [
+        ({nn.LayerNorm: "f32"}, F32),
+        ({nn.LayerNorm: "f32", Residual: "mixed_bfloat16"}, BF16),
+    ]:
         apply = with_policy(model.apply, "mixed_bfloat16", rules=rules)
         SEEN.clear()
         with jax.numpy_dtype_promotion("standard"):
@@ -364,7 +367,9 @@ def test_variables_and_rngs_by_keyword():
     init = with_policy(model.init, "bf16")
     variables = jax.eval_shape(lambda: init(rngs=jax.random.key(0), inputs=x))
     assert _dtypes(variables) == {BF16}
-    out = jax.eval_shape(lambda v: with_policy(model.apply, "bf16")(variables=v, inputs=x), variables)
+    out = jax.eval_shape(
+        lambda v: with_policy(model.apply, "bf16")(variables=v, inputs=x), variables
+    )
     assert out.dtype == BF16
     with pytest.raises(TypeError, match="apply\\(\\) missing its first argument, 'variables'"):
         with_policy(model.apply, "bf16")(inputs=x)
@@ -489,9 +494,7 @@ def test_batch_stats_are_float32_and_updated():
     (conv,) = state["intermediates"]["Conv_0"]["__call__"]
     assert conv.dtype == BF16
     batch_mean = conv.astype(F32).mean((0, 1, 2))
-    np.testing.assert_allclose(
-        after["BatchNorm_0"]["mean"], 0.5 * batch_mean, rtol=2e-2, atol=2e-4
-    )
+    np.testing.assert_allclose(after["BatchNorm_0"]["mean"], 0.5 * batch_mean, rtol=2e-2, atol=2e-4)
     assert not np.allclose(after["BatchNorm_0"]["var"], before["batch_stats"]["BatchNorm_0"]["var"])
 
 
@@ -573,9 +576,7 @@ def leaf_output_dtypes(rules, policy="mixed_bfloat16") -> dict[str, np.dtype]:
     """The output dtype of each leaf module of `Chain` under `policy` and `rules`."""
     model = Chain()
     x = jnp.ones((2, 4))
-    variables = jax.eval_shape(
-        with_policy(model.init, policy, rules=rules), jax.random.key(0), x
-    )
+    variables = jax.eval_shape(with_policy(model.init, policy, rules=rules), jax.random.key(0), x)
     apply = with_policy(model.apply, policy, rules=rules)
     _, state = jax.eval_shape(lambda v: apply(v, x, capture_intermediates=True), variables)
     found = {}
@@ -874,7 +875,10 @@ def test_rematerialised_norms_give_the_same_values_and_grads():
     [
         ("f32", {}),  # float32 norms: the program is the user's own
         ("mixed_bfloat16", {"remat_norms": False}),
-        ("mixed_bfloat16", {"rules": {nn.LayerNorm: "f32", nn.RMSNorm: "f32", nn.GroupNorm: "f32"}}),
+        (
+            "mixed_bfloat16",
+            {"rules": {nn.LayerNorm: "f32", nn.RMSNorm: "f32", nn.GroupNorm: "f32"}},
+        ),
     ],
     ids=["float32", "off", "float32-rule"],
 )
@@ -995,6 +999,7 @@ def test_plain_function_casts_floats_only(jit):
 
 # --------------------------------------------------------------------------
 # The user's module attributes.
+
 
 class Failing(nn.Module):
     dtype: Any = jnp.float32
@@ -1225,7 +1230,10 @@ class Loop(nn.Module):
     def __call__(self, x):
         dense = nn.Dense(x.shape[-1])
         h = dense(x)
-        carry = (jnp.zeros(x.shape, jnp.float32) + jnp.ones((), jnp.float32), jnp.zeros((), jnp.int32))
+        carry = (
+            jnp.zeros(x.shape, jnp.float32) + jnp.ones((), jnp.float32),
+            jnp.zeros((), jnp.int32),
+        )
         if self.is_initializing():
             return h
         body = lambda m, c: (jnp.tanh(m(c[0])), c[1] + 1)
@@ -1345,9 +1353,13 @@ def test_partial_or_lambda_around_apply_keeps_batch_stats_float32(form):
     variables = {**variables, "batch_stats": {"BatchNorm_0": {
         "mean": jnp.full((3,), -2.0), "var": variables["batch_stats"]["BatchNorm_0"]["var"]}}}  # fmt: skip
     if form == "partial":
-        apply = with_policy(functools.partial(model.apply, mutable=["batch_stats"]), "mixed_bfloat16")
+        apply = with_policy(
+            functools.partial(model.apply, mutable=["batch_stats"]), "mixed_bfloat16"
+        )
     else:
-        apply = with_policy(lambda v, x: model.apply(v, x, mutable=["batch_stats"]), "mixed_bfloat16")
+        apply = with_policy(
+            lambda v, x: model.apply(v, x, mutable=["batch_stats"]), "mixed_bfloat16"
+        )
     reference = functools.partial(model.apply, mutable=["batch_stats"])
 
     def run(apply_fn):
@@ -1413,7 +1425,9 @@ class Tempered(nn.Module):
         return nn.Dense(2, name="head")(h)
 
 
-@pytest.mark.parametrize("rules", [None, {"head": "p=f32,c=f32,o=f32"}], ids=["no-rules", "head-rule"])
+@pytest.mark.parametrize(
+    "rules", [None, {"head": "p=f32,c=f32,o=f32"}], ids=["no-rules", "head-rule"]
+)
 def test_custom_param_takes_its_module_param_dtype_whatever_other_rules_say(rules):
     # Was: float32 as soon as one rule had another param dtype.
     variables = jax.eval_shape(

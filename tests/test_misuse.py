@@ -127,6 +127,7 @@ def test_forward_mode_says_what_to_use_instead(fn, transform):
     assert "preferred_element_type=jnp.float32" in message
     # Reverse mode works, and the suggested forward-mode replacement does too.
     assert jax.grad(lambda v: fn(v).sum())(w).shape == w.shape
+
     def plain(v):
         x = jnp.ones((2, 3), jnp.bfloat16)
         v = v.astype(jnp.bfloat16)

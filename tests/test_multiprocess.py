@@ -128,9 +128,19 @@ def launch(args_for, out: Path, timeout: float = LAUNCH_TIMEOUT) -> list[int]:
             logs.append(log)
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(WORKER), "--process-id", str(i), "--port", str(port),
-                     *args_for(i)],
-                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                    [
+                        sys.executable,
+                        str(WORKER),
+                        "--process-id",
+                        str(i),
+                        "--port",
+                        str(port),
+                        *args_for(i),
+                    ],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                     start_new_session=True,  # its own process group: killed as a whole
                 )
             )
@@ -206,8 +216,11 @@ def assemble(results) -> dict[str, np.ndarray]:
 def comparable(records):
     """The records without what differs by design between processes; NaN made comparable."""
     return [
-        {k: (repr(v) if isinstance(v, float) and math.isnan(v) else v)
-         for k, v in r.items() if k != "overflow_in_my_rows"}
+        {
+            k: (repr(v) if isinstance(v, float) and math.isnan(v) else v)
+            for k, v in r.items()
+            if k != "overflow_in_my_rows"
+        }
         for r in records
     ]
 
@@ -250,8 +263,15 @@ INJECTED = sorted(worker.INJECT)
 
 
 def trajectory(records):
-    keys = ("step", "skipped", "unchanged", "loss_scale", "counter", "notfinite_count",
-            "total_notfinite")
+    keys = (
+        "step",
+        "skipped",
+        "unchanged",
+        "loss_scale",
+        "counter",
+        "notfinite_count",
+        "total_notfinite",
+    )
     return [tuple(r[k] for k in keys) for r in records]
 
 
@@ -322,7 +342,7 @@ def test_orbax_restore_in_two_new_processes_continues_bit_identically(runs, conf
         assert restored["step"] == "restored"
         for key in ("loss_scale", "counter", "notfinite_count", "total_notfinite"):
             assert restored[key] == at_save[key], key
-        assert comparable(continued) == comparable(t["records"][worker.SAVE_AT:])
+        assert comparable(continued) == comparable(t["records"][worker.SAVE_AT :])
     a, b = assemble(trained), assemble(resumed)
     assert a.keys() == b.keys()
     for leaf in a:
@@ -340,8 +360,16 @@ def test_a_failing_process_takes_its_peer_down_and_both_outputs_are_shown(tmp_pa
     # jax.distributed.initialize for its peer: it must be killed, promptly.
     def args_for(i):
         configs = "fsdp" if i == 0 else "no-such-config"
-        return ["--configs", configs, "--phase", "train", "--out", str(tmp_path),
-                "--ckpt", str(tmp_path / "ckpt")]
+        return [
+            "--configs",
+            configs,
+            "--phase",
+            "train",
+            "--out",
+            str(tmp_path),
+            "--ckpt",
+            str(tmp_path / "ckpt"),
+        ]
 
     start = time.monotonic()
     with pytest.raises(LaunchError) as failure:
@@ -356,8 +384,18 @@ def test_a_failing_process_takes_its_peer_down_and_both_outputs_are_shown(tmp_pa
 
 def test_a_run_past_its_timeout_is_killed(tmp_path):
     with pytest.raises(LaunchError, match="timed out after 1 s") as failure:
-        launch(lambda i: ["--phase", "train", "--out", str(tmp_path),
-                          "--ckpt", str(tmp_path / "ckpt")], tmp_path, timeout=1)
+        launch(
+            lambda i: [
+                "--phase",
+                "train",
+                "--out",
+                str(tmp_path),
+                "--ckpt",
+                str(tmp_path / "ckpt"),
+            ],
+            tmp_path,
+            timeout=1,
+        )
     assert len(failure.value.pids) == 2
     assert not [pid for pid in failure.value.pids if _alive(pid)]
 
@@ -368,7 +406,12 @@ def test_multihost_example_demo_runs_two_processes_that_agree():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     run = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "multihost.py"), "--demo", "--steps", "7"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT + 60, check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT + 60,
+        check=False,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()

@@ -169,9 +169,7 @@ def test_rule_keeps_exactly_the_head_in_float32(rules):
 def test_class_rule_is_inherited_and_next_layers_stay_half():
     # Attention's output is float32 here, so the residual sum is float32: only
     # standard promotion allows that sum. The layers after it cast it back.
-    model = jnnx.PolicyModule(
-        make_net(), "mixed_bfloat16", rules={nnx.MultiHeadAttention: "f32"}
-    )
+    model = jnnx.PolicyModule(make_net(), "mixed_bfloat16", rules={nnx.MultiHeadAttention: "f32"})
     with jax.numpy_dtype_promotion("standard"):
         counts = matmul_operand_dtypes(model, make_optimizer(model))
     assert counts["dot_general"] == {

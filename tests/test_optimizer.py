@@ -517,7 +517,6 @@ def test_gradient_that_overflows_when_unscaled_is_skipped(loss_scale, leaf, stri
     assert int(fit_state.total_notfinite) == 0
 
 
-
 # --- Half-precision parameters -------------------------------------------------------
 
 

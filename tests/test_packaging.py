@@ -104,9 +104,23 @@ def wheel(tmp_path_factory) -> pathlib.Path:
     src = _copy_source(tmp_path_factory.mktemp("src"))
     out = tmp_path_factory.mktemp("dist")
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--no-index", "--quiet", "-w", str(out), str(src)],
-        cwd=out, env=_env(), capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--quiet",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        cwd=out,
+        env=_env(),
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (path,) = out.glob("jmp_policy-*.whl")
@@ -150,13 +164,18 @@ def venv(wheel, tmp_path_factory) -> pathlib.Path:
     python = root / "bin" / "python"
     site = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True, env=_env(),
+        check=True,
+        capture_output=True,
+        text=True,
+        env=_env(),
     ).stdout.strip()
     ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     pathlib.Path(site, "_third_party.pth").write_text("\n".join(sorted(ours)) + "\n")
     subprocess.run(
         [python, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet", str(wheel)],
-        check=True, env=_env(), cwd=root,
+        check=True,
+        env=_env(),
+        cwd=root,
     )
     return root
 

@@ -117,9 +117,7 @@ def test_presets(preset, expected):
     assert dtypes_of(get_policy(f"  {preset}\t")) == expected
 
 
-@pytest.mark.parametrize(
-    "field,key", [(f, k) for f, keys in KEY_NAMES.items() for k in keys]
-)
+@pytest.mark.parametrize("field,key", [(f, k) for f, keys in KEY_NAMES.items() for k in keys])
 def test_every_key_spelling_sets_its_field(field, key):
     """Each key alias (p/params, c/compute, o/output) sets its own field only."""
     others = [f"{KEY_NAMES[f][0]}=f64" for f in FIELDS if f != field]
@@ -333,8 +331,7 @@ def test_equal_and_same_hash_across_spellings():
     """Policies built from different dtype spellings are equal and hash equally."""
     dtypes = (F32, BF16, F16)
     policies = [
-        Policy(*spellings)
-        for spellings in itertools.product(*(SPELLINGS[d] for d in dtypes))
+        Policy(*spellings) for spellings in itertools.product(*(SPELLINGS[d] for d in dtypes))
     ]
     policies.append(get_policy("p=float32, c=bfloat16, o=float16"))
     first = policies[0]
@@ -772,9 +769,7 @@ _KEY_RE = "|".join(sorted(_KEY_TO_FIELD, key=len, reverse=True))
 # The matmul key (`m`/`matmul`) takes its own names.
 _MATMUL_NAMES = {"bf16", "bfloat16", "f16", "float16", "f8", "float8", "float8_e4m3fn", "half"}
 _MNAME_RE = "|".join(sorted(_MATMUL_NAMES, key=len, reverse=True))
-_PART_RE = (
-    rf"\s*(?:(?:{_KEY_RE})\s*=\s*(?:{_NAME_RE})|(?:matmul|m)\s*=\s*(?:{_MNAME_RE}))\s*"
-)
+_PART_RE = rf"\s*(?:(?:{_KEY_RE})\s*=\s*(?:{_NAME_RE})|(?:matmul|m)\s*=\s*(?:{_MNAME_RE}))\s*"
 _BARE = re.compile(rf"\s*({_NAME_RE}|{'|'.join(PRESETS)})\s*")
 _KEYED = re.compile(rf"{_PART_RE}(?:,{_PART_RE})*")
 _PAIR = re.compile(rf"({_KEY_RE}|matmul|m)\s*=\s*(\w+)")
@@ -873,9 +868,9 @@ def test_property_any_text_parses_as_reference_or_value_error(spec):
     with pytest.raises(ValueError) as info:
         get_policy(spec)
     found = words(str(info.value))
-    assert (
-        set(ALL_KEY_NAMES) <= found or set(ALL_DTYPE_NAMES) <= found or _MATMUL_NAMES <= found
-    ), str(info.value)
+    assert set(ALL_KEY_NAMES) <= found or set(ALL_DTYPE_NAMES) <= found or _MATMUL_NAMES <= found, (
+        str(info.value)
+    )
 
 
 @_PROPS

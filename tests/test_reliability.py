@@ -293,8 +293,10 @@ def test_fault_injection_2000_steps_in_scan(inner_name, compute_dtype, exact):
         assert_bitwise_equal(params, control_params)
         assert_bitwise_equal(state.inner_state, control_state)
     else:
-        pairs = zip(jax.tree.leaves((params, state.inner_state)),
-                    jax.tree.leaves((control_params, control_state)))
+        pairs = zip(
+            jax.tree.leaves((params, state.inner_state)),
+            jax.tree.leaves((control_params, control_state)),
+        )
         for a, b in pairs:
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
     # The run trained (the comparison is not of untouched parameters).
@@ -749,7 +751,11 @@ _BAD_LOSS_SCALES = [
     (lambda: _Dyn(2.0, hysteresis=0), ValueError, "hysteresis"),
     (lambda: _Dyn(2.0, overflows=jnp.int32(1)), ValueError, "overflows"),
     (lambda: _Dyn(2.0, hysteresis=2, overflows=0.5), TypeError, "overflows"),
-    (lambda: _Dyn(2.0, hysteresis=2, overflows=-3), ValueError, r"overflows must be in \[0, hysteresis\)"),
+    (
+        lambda: _Dyn(2.0, hysteresis=2, overflows=-3),
+        ValueError,
+        r"overflows must be in \[0, hysteresis\)",
+    ),
     (lambda: _Dyn(2.0, hysteresis=2, overflows=2), ValueError, "overflows"),
     (lambda: jmp.StaticLossScale(-4.0), ValueError, "loss_scale"),
     (lambda: jmp.StaticLossScale(1e39), ValueError, "float32"),  # inf in float32
@@ -767,7 +773,9 @@ def test_bad_loss_scale_arguments(make, error, name):
 
 
 def test_numpy_integers_are_integers():
-    ls = jmp.DynamicLossScale(2.0, period=np.int64(10), hysteresis=np.int64(2), overflows=np.int32(1))
+    ls = jmp.DynamicLossScale(
+        2.0, period=np.int64(10), hysteresis=np.int64(2), overflows=np.int32(1)
+    )
     assert (ls.period, ls.hysteresis) == (10, 2) and type(ls.hysteresis) is int
 
 
@@ -820,8 +828,16 @@ def test_adjust_rejects_non_scalar_or_non_bool_grads_finite(kind, pred, jit):
         (optax.sgd(0.1), {"loss_scale": 2.0**15}, "loss_scale"),
         (optax.sgd(0.1), optax.sgd(0.1), "loss_scale"),
     ],
-    ids=["inner-None", "inner-str", "inner-uncalled", "ls-float", "ls-class", "ls-None", "ls-dict",
-         "ls-optimizer"],
+    ids=[
+        "inner-None",
+        "inner-str",
+        "inner-uncalled",
+        "ls-float",
+        "ls-class",
+        "ls-None",
+        "ls-dict",
+        "ls-optimizer",
+    ],
 )
 def test_loss_scaled_bad_arguments(inner, loss_scale, name):
     with pytest.raises(TypeError, match=name):
@@ -995,8 +1011,17 @@ class _Leaf:
 def _leaves(draw, jittable: bool):
     kind = draw(
         st.sampled_from(
-            ["jax_float", "np_float", "np_float_scalar", "jax_int", "np_int", "jax_bool",
-             "np_bool", "typed_key", "raw_key"]
+            [
+                "jax_float",
+                "np_float",
+                "np_float_scalar",
+                "jax_int",
+                "np_int",
+                "jax_bool",
+                "np_bool",
+                "typed_key",
+                "raw_key",
+            ]
             + ([] if jittable else ["py_float", "py_int", "py_bool", "none", "string"])
         )
     )

@@ -114,21 +114,40 @@ def _build_parser() -> _Parser:
         "mixed_bfloat16; mixed_float16 with dynamic loss scaling; mixed_float16 without. "
         "Prints a table and writes a PNG of the loss curves and the loss scale.",
     )
-    p.add_argument("--steps", type=_positive_int, default=None,
-                   help=f"training steps per run (default {demo.DEFAULT_STEPS}, "
-                   f"--quick: {demo.QUICK_STEPS})")
-    p.add_argument("--batch-size", type=_positive_int, default=None,
-                   help=f"examples per step (default {demo.DEFAULT_BATCH_SIZE}, "
-                   f"--quick: {demo.QUICK_BATCH_SIZE})")
-    p.add_argument("--output", type=pathlib.Path, default=pathlib.Path(demo.DEFAULT_OUTPUT),
-                   metavar="PATH", help=f"where the PNG goes (default {demo.DEFAULT_OUTPUT})")
-    p.add_argument("--quick", action="store_true",
-                   help="a run of seconds: a smoke test, its numbers mean little")
-    p.add_argument("--loss-multiplier", type=_positive_float,
-                   default=demo.DEFAULT_LOSS_MULTIPLIER, metavar="M",
-                   help="the loss is mean cross-entropy x M (default 2^-15 = "
-                   f"{demo.DEFAULT_LOSS_MULTIPLIER:g}; 1: the plain loss, whose gradients "
-                   "float16 holds)")
+    p.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=None,
+        help=f"training steps per run (default {demo.DEFAULT_STEPS}, --quick: {demo.QUICK_STEPS})",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=None,
+        help=f"examples per step (default {demo.DEFAULT_BATCH_SIZE}, "
+        f"--quick: {demo.QUICK_BATCH_SIZE})",
+    )
+    p.add_argument(
+        "--output",
+        type=pathlib.Path,
+        default=pathlib.Path(demo.DEFAULT_OUTPUT),
+        metavar="PATH",
+        help=f"where the PNG goes (default {demo.DEFAULT_OUTPUT})",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a run of seconds: a smoke test, its numbers mean little",
+    )
+    p.add_argument(
+        "--loss-multiplier",
+        type=_positive_float,
+        default=demo.DEFAULT_LOSS_MULTIPLIER,
+        metavar="M",
+        help="the loss is mean cross-entropy x M (default 2^-15 = "
+        f"{demo.DEFAULT_LOSS_MULTIPLIER:g}; 1: the plain loss, whose gradients "
+        "float16 holds)",
+    )
     p.add_argument("--seed", type=_seed, default=0, help="data split, initialisation, batches")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -142,15 +161,32 @@ def _build_parser() -> _Parser:
         "whose sizes are not multiples of 8. For your own model use "
         "jmp_policy.diagnose(grad_fn, *args).",
     )
-    p.add_argument("--steps", type=_positive_int, default=200,
-                   help="float32 training steps before the gradients are measured (default 200)")
-    p.add_argument("--batch-size", type=_positive_int, default=demo.DEFAULT_BATCH_SIZE,
-                   help=f"examples per step (default {demo.DEFAULT_BATCH_SIZE})")
-    p.add_argument("--output", type=pathlib.Path, default=pathlib.Path("jmp_policy_doctor.png"),
-                   metavar="PATH", help="where the PNG goes (default jmp_policy_doctor.png)")
-    p.add_argument("--loss-multiplier", type=_positive_float,
-                   default=demo.DEFAULT_LOSS_MULTIPLIER, metavar="M",
-                   help="as for demo (default 2^-15)")
+    p.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=200,
+        help="float32 training steps before the gradients are measured (default 200)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=demo.DEFAULT_BATCH_SIZE,
+        help=f"examples per step (default {demo.DEFAULT_BATCH_SIZE})",
+    )
+    p.add_argument(
+        "--output",
+        type=pathlib.Path,
+        default=pathlib.Path("jmp_policy_doctor.png"),
+        metavar="PATH",
+        help="where the PNG goes (default jmp_policy_doctor.png)",
+    )
+    p.add_argument(
+        "--loss-multiplier",
+        type=_positive_float,
+        default=demo.DEFAULT_LOSS_MULTIPLIER,
+        metavar="M",
+        help="as for demo (default 2^-15)",
+    )
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -162,8 +198,9 @@ def _build_parser() -> _Parser:
         "own process, and prints their tables.",
     )
     p.add_argument("--quick", action="store_true", help="a run of seconds per benchmark")
-    p.add_argument("--only", action="append", metavar="NAME",
-                   help="run only this benchmark (repeatable)")
+    p.add_argument(
+        "--only", action="append", metavar="NAME", help="run only this benchmark (repeatable)"
+    )
     return parser
 
 
@@ -175,8 +212,12 @@ def _run_demo(args: argparse.Namespace) -> int:
     steps = args.steps or (demo.QUICK_STEPS if args.quick else demo.DEFAULT_STEPS)
     batch = args.batch_size or (demo.QUICK_BATCH_SIZE if args.quick else demo.DEFAULT_BATCH_SIZE)
     demo.run_demo(
-        steps=steps, batch_size=batch, output=args.output, loss_multiplier=args.loss_multiplier,
-        seed=args.seed, progress=not args.no_progress,
+        steps=steps,
+        batch_size=batch,
+        output=args.output,
+        loss_multiplier=args.loss_multiplier,
+        seed=args.seed,
+        progress=not args.no_progress,
     )
     return 0
 
@@ -192,8 +233,14 @@ def _run_doctor(args: argparse.Namespace) -> int:
     initial = demo.init_params(model, data, args.seed)
     f32 = demo.CONFIGS[0]
     result = demo.train(
-        f32, data, initial, steps=args.steps, batch_size=args.batch_size,
-        loss_multiplier=args.loss_multiplier, seed=args.seed, progress=not args.no_progress,
+        f32,
+        data,
+        initial,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        loss_multiplier=args.loss_multiplier,
+        seed=args.seed,
+        progress=not args.no_progress,
         model=model,
     )
     x, y = data.x_train[: args.batch_size], data.y_train[: args.batch_size]
@@ -207,7 +254,8 @@ def _run_doctor(args: argparse.Namespace) -> int:
     )
     print(doctor.report_text(report))
     doctor.plot_histogram(
-        report, args.output,
+        report,
+        args.output,
         title="Demo model: weight and activation gradients (float32), "
         f"{100 * report.total.zero:.0f}% exact zeros not shown",
     )
@@ -245,8 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return e.code if isinstance(e.code, int) else 0
         if args.command is None:
             raise _UsageError(
-                f"{PROG}: error: a command is required: demo, doctor or bench "
-                f"(see '{PROG} --help')"
+                f"{PROG}: error: a command is required: demo, doctor or bench (see '{PROG} --help')"
             )
         return _COMMANDS[args.command](args)
     except _UsageError as e:

@@ -320,8 +320,13 @@ def with_perturbations(model: MLP, params: dict, x: jax.typing.ArrayLike) -> dic
 def format_table(results: list[RunResult]) -> str:
     """The results as an aligned text table."""
     header = (
-        "run", "policy", "final loss", "test accuracy",
-        "step time (median)", "skipped steps", "final loss scale",
+        "run",
+        "policy",
+        "final loss",
+        "test accuracy",
+        "step time (median)",
+        "skipped steps",
+        "final loss scale",
     )
     rows = [
         (
@@ -370,17 +375,25 @@ def plot_runs(results: list[RunResult], path: str | os.PathLike, *, title: str =
         steps = np.arange(1, len(r.losses) + 1)
         ax_loss.plot(steps, r.losses, color=color, alpha=0.15, lw=0.8)
         ax_loss.plot(
-            steps, _smooth(r.losses), color=color, ls=style, lw=1.8,
+            steps,
+            _smooth(r.losses),
+            color=color,
+            ls=style,
+            lw=1.8,
             label=f"{r.name}: {100 * r.test_accuracy:.1f}% test accuracy",
         )
         ax_scale.plot(steps, r.loss_scales, color=color, ls=style, lw=1.8, label=r.name)
         if len(r.skipped_at):
             ax_scale.plot(
-                r.skipped_at + 1, r.loss_scales[r.skipped_at], "x", color=color,
+                r.skipped_at + 1,
+                r.loss_scales[r.skipped_at],
+                "x",
+                color=color,
                 label=f"{r.name}: skipped steps ({len(r.skipped_at)})",
             )
-        ax_zero.plot(steps, 100 * _smooth(r.zero_grads), color=color, ls=style, lw=1.8,
-                     label=r.name)
+        ax_zero.plot(
+            steps, 100 * _smooth(r.zero_grads), color=color, ls=style, lw=1.8, label=r.name
+        )
     ax_loss.set_yscale("log")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("training loss (batch mean cross-entropy)")
@@ -532,8 +545,15 @@ def run_demo(
     for config in CONFIGS:
         results.append(
             train(
-                config, data, initial, steps=steps, batch_size=batch_size,
-                loss_multiplier=loss_multiplier, seed=seed, progress=progress, model=model,
+                config,
+                data,
+                initial,
+                steps=steps,
+                batch_size=batch_size,
+                loss_multiplier=loss_multiplier,
+                seed=seed,
+                progress=progress,
+                model=model,
             )
         )
     print("", file=out)
@@ -549,7 +569,8 @@ def run_demo(
             file=out,
         )
     plot_runs(
-        results, output,
+        results,
+        output,
         title=f"jmp-policy demo: 8x8 digits, loss x {mult}, {steps} steps of batch {batch_size}",
     )
     print(f"Wrote {output} ({time.perf_counter() - started:.0f} s in all).", file=out)

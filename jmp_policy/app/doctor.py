@@ -32,15 +32,29 @@ def _log2(x: float) -> str:
 def report_text(r: GradientReport) -> str:
     """The report as a table with its recommendation, for a terminal."""
     header = (
-        "path", "shape", "zero",
-        "f16 <2^-24", "f16 <2^-14", "f16 >65504",
-        "bf16 <2^-133", "bf16 >max", "max|g|", "min|g|>0",
+        "path",
+        "shape",
+        "zero",
+        "f16 <2^-24",
+        "f16 <2^-14",
+        "f16 >65504",
+        "bf16 <2^-133",
+        "bf16 >max",
+        "max|g|",
+        "min|g|>0",
     )
     rows = [
         (
-            s.path, "x".join(map(str, s.shape)) or "-", _pct(s.zero),
-            _pct(s.f16_underflow), _pct(s.f16_below_normal), _pct(s.f16_overflow),
-            _pct(s.bf16_underflow), _pct(s.bf16_overflow), _log2(s.max_abs), _log2(s.min_abs),
+            s.path,
+            "x".join(map(str, s.shape)) or "-",
+            _pct(s.zero),
+            _pct(s.f16_underflow),
+            _pct(s.f16_below_normal),
+            _pct(s.f16_overflow),
+            _pct(s.bf16_underflow),
+            _pct(s.bf16_overflow),
+            _log2(s.max_abs),
+            _log2(s.min_abs),
         )
         for s in (*r.arrays, r.total)
     ]
@@ -140,13 +154,23 @@ def plot_histogram(
     ax.bar(edges[:-1], share, width=1.0, align="edge", color="0.25", label="gradients")
     if shift:
         ax.step(
-            edges[:-1] + shift, share, where="post", color="tab:orange", lw=1.2,
+            edges[:-1] + shift,
+            share,
+            where="post",
+            color="tab:orange",
+            lw=1.2,
             label=f"gradients x 2^{shift:g} (loss scale)",
         )
     top = max(share.max() if share.size else 1.0, 1e-3) * 1.25
     ax.set_ylim(0, top * 1.12)
-    ax.hlines(top * 1.04, max(lo, -133), min(hi, 128), color="tab:green", lw=4,
-              label="bfloat16 range (2^-133 .. 2^128)")
+    ax.hlines(
+        top * 1.04,
+        max(lo, -133),
+        min(hi, 128),
+        color="tab:green",
+        lw=4,
+        label="bfloat16 range (2^-133 .. 2^128)",
+    )
     ax.set_xlim(lo, hi)
     ax.set_xlabel("log2 |gradient|")
     ax.set_ylabel("% of all values")

@@ -95,7 +95,6 @@ PROMOTE_PRIMITIVES: frozenset[str] = frozenset(
 )  # fmt: skip
 
 
-
 @dataclasses.dataclass(frozen=True)
 class _Rules:
     compute_dtype: np.dtype
@@ -123,9 +122,7 @@ def _outputs_as(outs, dtypes):
     return [cast(o, d) if is_float(o) else o for o, d in zip(outs, dtypes)]
 
 
-def _eval(
-    jaxpr: ji.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: _Rules
-) -> list[Any]:
+def _eval(jaxpr: ji.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: _Rules) -> list[Any]:
     return ji.eval_jaxpr(jaxpr, consts, args, functools.partial(_apply, rules=rules))
 
 
@@ -206,7 +203,7 @@ def _shard_map_rule(eqn, invals, rules):
     # The per-device program is rewritten inside a new `shard_map` over the
     # same mesh and specs; its inputs and results keep their dtypes.
     jaxpr = ji.shard_map_body(eqn)
-    out_dtypes = [v.aval.dtype for v in jaxpr.outvars]
+    out_dtypes = [ji.shaped(v).dtype for v in jaxpr.outvars]
 
     def body(*args):
         return tuple(_outputs_as(_eval(jaxpr, (), args, rules), out_dtypes))
@@ -321,8 +318,7 @@ def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
         ops = list(ops)
     except TypeError:
         raise TypeError(
-            f"autocast({arg}=...) takes an iterable of primitive names or primitives, "
-            f"got {ops!r}."
+            f"autocast({arg}=...) takes an iterable of primitive names or primitives, got {ops!r}."
         ) from None
     names = set()
     known = None

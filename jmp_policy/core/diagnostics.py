@@ -216,19 +216,31 @@ def _recommend(
     total: GradientStats, under_scaled: float, over_scaled: float, scale: float
 ) -> tuple[str, float | None, str]:
     if total.nonfinite:
-        return "float32", None, (
-            "the gradients already hold inf or nan in their own precision: fix that first "
-            "(a non-finite loss, a log of zero, a division by zero)"
+        return (
+            "float32",
+            None,
+            (
+                "the gradients already hold inf or nan in their own precision: fix that first "
+                "(a non-finite loss, a log of zero, a division by zero)"
+            ),
         )
     if not (total.bf16_underflow or total.bf16_overflow):
-        return "mixed_bfloat16", None, (
-            "bfloat16 has float32's exponent range: every gradient value fits, "
-            "so no loss scaling is needed"
+        return (
+            "mixed_bfloat16",
+            None,
+            (
+                "bfloat16 has float32's exponent range: every gradient value fits, "
+                "so no loss scaling is needed"
+            ),
         )
     if not over_scaled and under_scaled <= _FLOAT16_TOLERANCE:
-        return "mixed_float16", scale, (
-            "bfloat16 cannot hold all values, float16 with a loss scale of "
-            f"2^{math.log2(scale):g} can"
+        return (
+            "mixed_float16",
+            scale,
+            (
+                "bfloat16 cannot hold all values, float16 with a loss scale of "
+                f"2^{math.log2(scale):g} can"
+            ),
         )
     return "float32", None, "neither half dtype holds these gradients, even with loss scaling"
 
@@ -401,7 +413,9 @@ def saved_residuals(fn: Callable, *args: Any) -> list[tuple[jax.ShapeDtypeStruct
             continue
         dtype, shape, where = match.groups()
         shape = tuple(int(d) for d in shape.split(",") if d)
-        found.append((jax.ShapeDtypeStruct(shape, jnp.dtype(_SHORT_DTYPES.get(dtype, dtype))), where))
+        found.append(
+            (jax.ShapeDtypeStruct(shape, jnp.dtype(_SHORT_DTYPES.get(dtype, dtype))), where)
+        )
     return found
 
 

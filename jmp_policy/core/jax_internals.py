@@ -48,9 +48,7 @@ conv_general_dilated_p: Primitive = primitives.conv_general_dilated_p
 
 def primitive_names() -> frozenset[str]:
     """The names of the primitives `jax.extend` exposes (for validating user lists)."""
-    return frozenset(
-        p.name for p in vars(primitives).values() if isinstance(p, Primitive)
-    )
+    return frozenset(p.name for p in vars(primitives).values() if isinstance(p, Primitive))
 
 
 def bind(eqn: JaxprEqn, args: Sequence[Any], params: dict[str, Any] | None = None) -> Any:

@@ -66,9 +66,7 @@ def _is_array_like(x: Any) -> bool:
 
 def _is_concrete_scalar(x: Any) -> bool:
     # A value built inside `jax.jit` (a tracer) cannot be checked.
-    return (
-        _is_array_like(x) and not isinstance(x, jax.core.Tracer) and np.ndim(x) == 0
-    )
+    return _is_array_like(x) and not isinstance(x, jax.core.Tracer) and np.ndim(x) == 0
 
 
 def _dtype_of(x: Any) -> np.dtype:
@@ -316,7 +314,9 @@ class DynamicLossScale(LossScale):
             )
         set_("period", int(period))
         # A jax.Array counter (e.g. from an eager `adjust`) is not read back.
-        counter_value = None if isinstance(given_counter, jax.Array) else int(np.asarray(given_counter))
+        counter_value = (
+            None if isinstance(given_counter, jax.Array) else int(np.asarray(given_counter))
+        )
         if counter_value is not None and not 0 <= counter_value < period:
             raise ValueError(
                 f"counter must be in [0, period) = [0, {int(period)}), got {given_counter!r}."

@@ -29,7 +29,6 @@ _HALF_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 Product = Callable[[Any, Any, Any], Any]
 
 
-
 def is_float(x: Any) -> bool:
     """Whether `x` is a real floating array (jax, numpy or a tracer)."""
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
@@ -65,7 +64,9 @@ def widest(dtypes: Iterable[np.dtype]) -> np.dtype:
 # CPUs and other platforms get the dot as written.
 # JMP_POLICY_CPU_BF16_DOT_WORKAROUND=1 or 0 forces it on or off (to check a newer
 # jaxlib).
-def cpu_bf16_dot_workaround(env: Mapping[str, str] = os.environ, cpuinfo: str | None = None) -> bool:
+def cpu_bf16_dot_workaround(
+    env: Mapping[str, str] = os.environ, cpuinfo: str | None = None
+) -> bool:
     """Whether bf16 x bf16 -> f32 dots on CPU take the form XLA:CPU can run."""
     forced = env.get("JMP_POLICY_CPU_BF16_DOT_WORKAROUND")
     if forced in ("0", "1"):

@@ -216,8 +216,7 @@ class Policy:
 
     def __str__(self) -> str:
         p, c, o = (
-            _DTYPE_NAMES[d][0]
-            for d in (self.param_dtype, self.compute_dtype, self.output_dtype)
+            _DTYPE_NAMES[d][0] for d in (self.param_dtype, self.compute_dtype, self.output_dtype)
         )
         if self.matmul_dtype is None:
             return f"p={p},c={c},o={o}"  # jmp's form, for every jmp policy.
@@ -242,8 +241,7 @@ def _parse_matmul_dtype(value: str) -> np.dtype:
         return _NAME_TO_MATMUL[value]
     except KeyError:
         raise ValueError(
-            f"Unknown matmul dtype {value!r}: accepted names for m=/matmul= are "
-            f"{_ACCEPTED_MATMUL}."
+            f"Unknown matmul dtype {value!r}: accepted names for m=/matmul= are {_ACCEPTED_MATMUL}."
         ) from None
 
 
@@ -308,8 +306,7 @@ def get_policy(spec: str | Policy) -> Policy:
             )
         if key not in _KEYS:
             raise ValueError(
-                f"Unknown key {key!r} in policy spec {spec!r}: accepted keys are "
-                f"{_ACCEPTED_KEYS}."
+                f"Unknown key {key!r} in policy spec {spec!r}: accepted keys are {_ACCEPTED_KEYS}."
             )
         field = _KEYS[key]
         if field in given:

@@ -61,7 +61,9 @@ _FLAX_NORMS = (nn.BatchNorm, nn.GroupNorm, nn.InstanceNorm, nn.LayerNorm, nn.RMS
 _REMAT_NORMS = (nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
 
 
-def _module_policy(module: nn.Module, rules: RuleSet, inherited: Policy, call: _Call):
+def _module_policy(
+    module: nn.Module, rules: RuleSet, inherited: Policy, call: _Call
+) -> tuple[Policy, bool]:
     """`(policy, whether a rule named the module)`; records the module's path."""
     path = tuple(str(p) for p in module.path)
     call.paths.add("/".join(path))
@@ -137,7 +139,9 @@ def _matmul_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
 # Flax's lifted transforms name themselves in the debug path of the scope they
 # create for their body (e.g. "remat(scan(blocks))", innermost first). Those
 # that only wrap the body leave its signature as it is.
-_TRANSPARENT_LIFTS = frozenset({"remat", "checkpoint", "jit", "vmap", "map_variables", "named_call"})
+_TRANSPARENT_LIFTS = frozenset(
+    {"remat", "checkpoint", "jit", "vmap", "map_variables", "named_call"}
+)
 _LIFT_NAME = re.compile(r"([A-Za-z_]\w*)\(")
 
 
@@ -163,7 +167,7 @@ def _carry_loop(module: nn.Module) -> str | None:
 
 def _as_given(out: Any, given: Any) -> Any:
     """`out` with each real floating array in the dtype of its counterpart in `given`."""
-    if jax.tree.structure(out) != jax.tree.structure(given):
+    if str(jax.tree.structure(out)) != str(jax.tree.structure(given)):
         return out
 
     def back(o, g):
@@ -199,7 +203,9 @@ def _is_real_float(x: Any) -> bool:
     )
 
 
-def _cast_inputs(policy: Policy, args: tuple, kwargs: dict, keep: Callable[[int | str], bool]):
+def _cast_inputs(
+    policy: Policy, args: tuple, kwargs: dict, keep: Callable[[int | str], bool]
+) -> tuple[tuple, dict]:
     """`args` and `kwargs` with floating inputs cast to compute, except the kept ones."""
     return (
         tuple(a if keep(i) else policy.cast_to_compute(a) for i, a in enumerate(args)),
@@ -281,11 +287,7 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
         # module a rule names, the model itself included (but not the
         # arguments `keep_inputs` names); a module doing its own `jnp` maths
         # gets what it is given, as in a model written by hand.
-        keep = (
-            _keeper(context.orig_method, call.keep_inputs)
-            if top
-            else lambda key: False
-        )
+        keep = _keeper(context.orig_method, call.keep_inputs) if top else lambda key: False
         if (named or _is_layer(module)) and not _keeps_its_dtypes(module):
             args, kwargs = _cast_inputs(policy, args, kwargs, keep)
         # Linen modules are frozen dataclasses: set the attributes for the
@@ -468,10 +470,11 @@ def with_policy(
     if not callable(fn):
         raise TypeError(f"with_policy expects a function as its first argument, got {fn!r}.")
     if isinstance(fn, nnx.Module) or isinstance(getattr(fn, "__self__", None), nnx.Module):
+        name = type(getattr(fn, "__self__", fn)).__name__
         raise TypeError(
-            f"jmp_policy.with_policy is for Flax linen (model.apply / model.init) and "
-            f"plain functions, got the NNX module {type(getattr(fn, '__self__', fn)).__name__}; use "
-            "jmp_policy.nnx.with_policy(model, policy) or jmp_policy.nnx.PolicyModule(model, policy)."
+            "jmp_policy.with_policy is for Flax linen (model.apply / model.init) and "
+            f"plain functions, got the NNX module {name}; use jmp_policy.nnx.with_policy"
+            "(model, policy) or jmp_policy.nnx.PolicyModule(model, policy)."
         )
     policy = get_policy(policy)
     rule_set = RuleSet(rules, nn.Module, "decoder/*/LayerNorm_*")
@@ -518,7 +521,9 @@ def with_policy(
             return _params_to_owner_dtypes(result, call.owners, policy)
         if entry == "init_with_output":
             out, variables = result
-            return policy.cast_to_output(out), _params_to_owner_dtypes(variables, call.owners, policy)
+            return policy.cast_to_output(out), _params_to_owner_dtypes(
+                variables, call.owners, policy
+            )
         if _returns_state(kwargs):
             out, state = result
             return policy.cast_to_output(out), state
@@ -529,7 +534,8 @@ def with_policy(
 
 def _unwrap_partial(fn: Callable) -> tuple[Callable, tuple, dict]:
     """`(function, bound args, bound kwargs)` of a (nested) `functools.partial`."""
-    args, kwargs = (), {}
+    args: tuple = ()
+    kwargs: dict = {}
     while isinstance(fn, functools.partial):
         args, kwargs = (*fn.args, *args), {**fn.keywords, **kwargs}
         fn = fn.func
@@ -552,7 +558,9 @@ def _refuse_nnx_modules(args: tuple, kwargs: dict) -> None:
             )
 
 
-def _params_to_owner_dtypes(variables, owners: dict[tuple[str, ...], Policy], policy: Policy):
+def _params_to_owner_dtypes(
+    variables: Any, owners: dict[tuple[str, ...], Policy], policy: Policy
+) -> Any:
     """Each real floating parameter in the param dtype of the module that owns it.
 
     Layers create their parameters in `param_dtype`; a module without that
@@ -565,7 +573,9 @@ def _params_to_owner_dtypes(variables, owners: dict[tuple[str, ...], Policy], po
 
     def cast(path, leaf):
         keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-        owner = next((owners[keys[:i]] for i in range(len(keys), -1, -1) if keys[:i] in owners), policy)
+        owner = next(
+            (owners[keys[:i]] for i in range(len(keys), -1, -1) if keys[:i] in owners), policy
+        )
         return owner.cast_to_param(leaf)
 
     params = jax.tree_util.tree_map_with_path(cast, variables["params"])

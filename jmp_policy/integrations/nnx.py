@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Container, Iterable
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable, Container, Iterable
+from typing import Any, TypeVar, cast
 
 import flax
 import jax
@@ -205,10 +205,12 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
     >>> mixed(jnp.ones((4, 3))).dtype  # The last Linear computes in float32.
     dtype('float32')
     """
-    return _with_policy(module, policy, rules)[0]
+    return cast(M, _with_policy(module, policy, rules)[0])
 
 
-def _with_policy(module, policy, rules) -> tuple[nnx.Module, dict[PathParts, Policy], set[PathParts]]:
+def _with_policy(
+    module: nnx.Module, policy: PolicyLike, rules: Rules | None
+) -> tuple[nnx.Module, dict[PathParts, Policy], set[PathParts]]:
     if not isinstance(module, nnx.Module):
         raise TypeError(
             f"jmp_policy.nnx.with_policy expects a flax.nnx.Module, got {module!r}; "
@@ -310,7 +312,9 @@ class PolicyModule(nnx.Module):
             sorted(
                 _path_str(p)
                 for p in named
-                if p and policies[p].compute_dtype != policies[_nearest_prefix(p, policies)].compute_dtype
+                if p
+                and policies[p].compute_dtype
+                != policies[_nearest_prefix(p, policies)].compute_dtype
             )
         )
 
@@ -322,15 +326,20 @@ class PolicyModule(nnx.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.input_policy is not None:
             args = tuple(
-                a if self._keep(i) else self.input_policy.cast_to_compute(a) for i, a in enumerate(args)
+                a if self._keep(i) else self.input_policy.cast_to_compute(a)
+                for i, a in enumerate(args)
             )
             kwargs = {
-                k: v if self._keep(k) else self.input_policy.cast_to_compute(v) for k, v in kwargs.items()
+                k: v if self._keep(k) else self.input_policy.cast_to_compute(v)
+                for k, v in kwargs.items()
             }
         try:
             out = self.module(*args, **kwargs)
         except TypeError as e:
-            if "carry input and carry output must have equal types" not in str(e) or not self._switched:
+            if (
+                "carry input and carry output must have equal types" not in str(e)
+                or not self._switched
+            ):
                 raise
             raise TypeError(
                 f"jmp_policy.nnx: the rules put {self._switched} in another compute dtype than "
@@ -383,9 +392,6 @@ def get_loss_scale(optimizer: nnx.Optimizer | Any) -> LossScale:
     return _get_loss_scale(nnx.as_pure(state))
 
 
-
-
-
 def _is_node(x: Any) -> bool:
     return nnx.graph.is_graph_node(x)
 
@@ -401,7 +407,7 @@ def autocast_with_state(run: Callable, fn: Callable, args: tuple, kwargs: dict) 
     is not seen: it gets a `TypeError` saying to pass it as an argument.
     """
     method_of = getattr(fn, "__self__", None) if inspect.ismethod(fn) else None
-    head, call = (method_of, fn.__func__) if _is_node(method_of) else (fn, None)
+    head, call = (method_of, getattr(fn, "__func__", None)) if _is_node(method_of) else (fn, None)
     leaves, treedef = jax.tree.flatten((head, args, kwargs), is_leaf=_is_node)
     at = [i for i, leaf in enumerate(leaves) if _is_node(leaf)]
     if not at:

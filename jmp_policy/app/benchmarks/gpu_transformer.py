@@ -138,10 +138,30 @@ class Config:
 
 
 CONFIGS = {
-    "gpu": Config(vocab=32768, width=2048, layers=8, heads=16, seq=1024, batch=8,
-                  steps_per_round=3, min_rounds=3, max_rounds=30, budget_s=400.0),
-    "tiny": Config(vocab=256, width=64, layers=2, heads=4, seq=64, batch=4,
-                   steps_per_round=2, min_rounds=2, max_rounds=4, budget_s=240.0),
+    "gpu": Config(
+        vocab=32768,
+        width=2048,
+        layers=8,
+        heads=16,
+        seq=1024,
+        batch=8,
+        steps_per_round=3,
+        min_rounds=3,
+        max_rounds=30,
+        budget_s=400.0,
+    ),
+    "tiny": Config(
+        vocab=256,
+        width=64,
+        layers=2,
+        heads=4,
+        seq=64,
+        batch=4,
+        steps_per_round=2,
+        min_rounds=2,
+        max_rounds=4,
+        budget_s=240.0,
+    ),
 }
 
 # Dense bfloat16 Tensor Core peaks (no sparsity), TFLOP/s, by a substring of
@@ -372,14 +392,20 @@ def _run(cfg: Config, size: str, budget_s: float, log: _Log) -> dict:
     device = jax.devices()[0]
     peak = peak_bf16_tflops(device.device_kind)
     flops = step_flops(cfg)
-    log(f"device: {device.device_kind} ({jax.default_backend()}, {len(jax.devices())} device(s)), "
-        f"jax {jax.__version__}, python {platform.python_version()}")
-    log(f"size {size}: width {cfg.width}, {cfg.layers} layers, {cfg.heads} heads, "
+    log(
+        f"device: {device.device_kind} ({jax.default_backend()}, {len(jax.devices())} device(s)), "
+        f"jax {jax.__version__}, python {platform.python_version()}"
+    )
+    log(
+        f"size {size}: width {cfg.width}, {cfg.layers} layers, {cfg.heads} heads, "
         f"seq {cfg.seq}, batch {cfg.batch} ({cfg.tokens_per_step} tokens/step), "
         f"vocab {cfg.vocab}; {matmul_params(cfg) / 1e6:.1f} M matmul parameters, "
-        f"{flops / 1e12:.3f} TFLOP/step (6 N + 12 L S d per token)")
-    log(f"bf16 dense peak: {f'{peak:g} TFLOP/s' if peak else 'n/a (device not in the table)'}; "
-        f"budget {budget_s:g} s")
+        f"{flops / 1e12:.3f} TFLOP/step (6 N + 12 L S d per token)"
+    )
+    log(
+        f"bf16 dense peak: {f'{peak:g} TFLOP/s' if peak else 'n/a (device not in the table)'}; "
+        f"budget {budget_s:g} s"
+    )
 
     tokens = jax.random.randint(jax.random.key(1), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
     params = jax.jit(TransformerLM(cfg).init)(jax.random.key(0), tokens[:, :-1])
@@ -407,8 +433,11 @@ def _run(cfg: Config, size: str, budget_s: float, log: _Log) -> dict:
                 opt_states[kind] = jax.jit(tx.init)(params)
             opt_state = opt_states[kind]
             t0 = time.perf_counter()
-            precision = (jax.default_matmul_precision(variant.precision) if variant.precision
-                         else contextlib.nullcontext())
+            precision = (
+                jax.default_matmul_precision(variant.precision)
+                if variant.precision
+                else contextlib.nullcontext()
+            )
             with precision:
                 fn: Callable = jax.jit(step).lower(params, opt_state, tokens).compile()
             entry["compile_s"] = time.perf_counter() - t0
@@ -425,8 +454,10 @@ def _run(cfg: Config, size: str, budget_s: float, log: _Log) -> dict:
             continue
         entry["status"] = "ok"
         compiled[variant.name] = (fn, opt_state)
-        log(f"{variant.name}: compiled in {entry['compile_s']:.1f} s, "
-            f"first step {entry['first_step_s']:.2f} s, loss {entry['loss']:.4f}")
+        log(
+            f"{variant.name}: compiled in {entry['compile_s']:.1f} s, "
+            f"first step {entry['first_step_s']:.2f} s, loss {entry['loss']:.4f}"
+        )
 
     names = list(compiled)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -436,7 +467,7 @@ def _run(cfg: Config, size: str, budget_s: float, log: _Log) -> dict:
         if rounds >= cfg.min_rounds and left < 1.2 * round_s:
             break
         t_round = time.monotonic()
-        order = names[rounds % len(names):] + names[: rounds % len(names)]
+        order = names[rounds % len(names) :] + names[: rounds % len(names)]
         for name in order:
             fn, opt_state = compiled[name]
             t0 = time.perf_counter()
@@ -446,8 +477,10 @@ def _run(cfg: Config, size: str, budget_s: float, log: _Log) -> dict:
             times[name].append((time.perf_counter() - t0) / cfg.steps_per_round)
         round_s = time.monotonic() - t_round
         rounds += 1
-    log(f"timing: {rounds} interleaved rounds of {cfg.steps_per_round} steps per variant, "
-        f"{time.monotonic() - start:.0f} s in all")
+    log(
+        f"timing: {rounds} interleaved rounds of {cfg.steps_per_round} steps per variant, "
+        f"{time.monotonic() - start:.0f} s in all"
+    )
 
     for name in names:
         entry = results[name]
@@ -462,8 +495,10 @@ def _run(cfg: Config, size: str, budget_s: float, log: _Log) -> dict:
         for key, ref in (("speedup_vs_float32", REFERENCE), ("speedup_vs_flax_bf16", BY_HAND)):
             entry[key] = _median_ratio(times[ref], times[name]) if ref in times else None
 
-    header = (f"{'variant':<32} {'step ms':>9} {'tokens/s':>11} {'x float32':>10} "
-              f"{'x flax bf16':>12} {'MFU':>7} {'compile s':>10}")
+    header = (
+        f"{'variant':<32} {'step ms':>9} {'tokens/s':>11} {'x float32':>10} "
+        f"{'x flax bf16':>12} {'MFU':>7} {'compile s':>10}"
+    )
     log()
     log(header)
     log("-" * len(header))
@@ -472,22 +507,26 @@ def _run(cfg: Config, size: str, budget_s: float, log: _Log) -> dict:
         if r["status"] != "ok":
             log(f"{variant.name:<32} {r['status']}: {r.get('reason', '')}")
             continue
-        log(f"{variant.name:<32} {r['step_ms_median']:>9.2f} {r['tokens_per_s']:>11,.0f} "
+        log(
+            f"{variant.name:<32} {r['step_ms_median']:>9.2f} {r['tokens_per_s']:>11,.0f} "
             f"{fmt(r['speedup_vs_float32'], '.3f'):>10} "
             f"{fmt(r['speedup_vs_flax_bf16'], '.3f'):>12} "
             f"{fmt(r['mfu'] and 100 * r['mfu'], '.1f') + ('%' if r['mfu'] else ''):>7} "
-            f"{r['compile_s']:>10.1f}")
+            f"{r['compile_s']:>10.1f}"
+        )
 
     on_gpu = jax.default_backend() == "gpu" and size == "gpu"
     targets = {
         "with_policy_speedup_vs_float32": _target(
-            results, WITH_POLICY, "speedup_vs_float32", lambda v: v >= 1.6, ">= 1.6"),
+            results, WITH_POLICY, "speedup_vs_float32", lambda v: v >= 1.6, ">= 1.6"
+        ),
         "with_policy_speed_vs_flax_bf16": _target(
-            results, WITH_POLICY, "speedup_vs_flax_bf16", lambda v: v >= 0.97,
-            ">= 0.97 (within 3%)"),
+            results, WITH_POLICY, "speedup_vs_flax_bf16", lambda v: v >= 0.97, ">= 0.97 (within 3%)"
+        ),
         "loss_scaled_step_time_vs_plain_adam": {
             "value": _median_ratio(times.get(LOSS_SCALED, []), times.get(WITH_POLICY, []))
-            if LOSS_SCALED in times and WITH_POLICY in times else None,
+            if LOSS_SCALED in times and WITH_POLICY in times
+            else None,
             "target": "<= 1.02 (within 2%)",
         },
     }
@@ -544,9 +583,7 @@ def fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def _target(
-    results: dict, name: str, key: str, test: Callable[[float], bool], text: str
-) -> dict:
+def _target(results: dict, name: str, key: str, test: Callable[[float], bool], text: str) -> dict:
     value = results.get(name, {}).get(key)
     return {"value": value, "target": text, "met": None if value is None else bool(test(value))}
 
@@ -577,16 +614,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     Raises:
       SystemExit: for bad arguments (argparse's usage error, status 2).
     """
-    parser = argparse.ArgumentParser(
-        prog="gpu_transformer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="gpu_transformer", description=__doc__.splitlines()[0])
     env_size = os.environ.get(SIZE_ENV) or None
-    parser.add_argument("--size", choices=SIZES, default=None,
-                        help=f"model size (default ${SIZE_ENV}, else auto: gpu on a GPU)")
-    parser.add_argument("--budget-s", type=_positive_float, default=None,
-                        help=f"wall-clock budget, compile included (default ${BUDGET_ENV})")
+    parser.add_argument(
+        "--size",
+        choices=SIZES,
+        default=None,
+        help=f"model size (default ${SIZE_ENV}, else auto: gpu on a GPU)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=_positive_float,
+        default=None,
+        help=f"wall-clock budget, compile included (default ${BUDGET_ENV})",
+    )
     parser.add_argument("--quick", action="store_true", help="the tiny size unless --size is given")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="where the log and JSON go (default $OUT, else ./results)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the log and JSON go (default $OUT, else ./results)",
+    )
     args = parser.parse_args(argv)
     if env_size is not None and env_size not in SIZES:
         parser.error(f"${SIZE_ENV}: {env_size!r} is not one of {', '.join(SIZES)}")

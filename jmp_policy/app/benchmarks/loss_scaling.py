@@ -319,9 +319,7 @@ def time_interleaved(
             rounds += 1
     finally:
         gc.enable()
-    results = [
-        Result(v.name, np.asarray(w), np.asarray(c)) for v, w, c in zip(variants, wall, cpu)
-    ]
+    results = [Result(v.name, np.asarray(w), np.asarray(c)) for v, w, c in zip(variants, wall, cpu)]
     return results, k
 
 
@@ -480,9 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         variants = all_variants(problem)
         steps = jit_steps(variants, args.donate)
         ok &= check_trajectories(problem, variants, steps)
-        results, k = time_interleaved(
-            problem, variants, steps, budgets[size], sample_s, min_rounds
-        )
+        results, k = time_interleaved(problem, variants, steps, budgets[size], sample_s, min_rounds)
         rows = summarize(results)
         print_table(problem, rows, len(results[0].wall_s), k)
         if size == "small":

@@ -163,9 +163,7 @@ def itemise(
 # ------------------------------------------------------------------ train step
 
 
-def make_train_step(
-    lm: ModuleType, apply: Callable, tx: optax.GradientTransformation
-) -> Callable:
+def make_train_step(lm: ModuleType, apply: Callable, tx: optax.GradientTransformation) -> Callable:
     """The README's train step around `lm.loss_fn(apply, ...)`, jitted."""
 
     @jax.jit
