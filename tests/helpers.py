@@ -1,12 +1,15 @@
-"""Helpers shared by the test files: reading lowered programs, comparing bits.
+"""Helpers shared by the test files: reading lowered programs, comparing bits, loading scripts.
 
 Import them as `from helpers import ...` (pytest puts `tests/` on `sys.path`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import re
+import sys
+import types
 from typing import Any, NamedTuple
 
 import jax
@@ -154,3 +157,20 @@ def assert_png(path: pathlib.Path) -> None:
     assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
     assert len(data) > 1000
     assert data[12:16] == b"IHDR"
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def load_script(relative_path: str, name: str) -> types.ModuleType:
+    """Imports a script of the checkout (`examples/...`, `benchmarks/...`) as `name`, once."""
+    path = ROOT / relative_path
+    module = sys.modules.get(name)
+    if module is not None and pathlib.Path(getattr(module, "__file__", "")).resolve() == path:
+        return module
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # linen modules are dataclasses: they look it up
+    spec.loader.exec_module(module)
+    return module

@@ -9,9 +9,7 @@ example's: the same parameters and losses.
 """
 
 import contextlib
-import importlib.util
 import io
-import sys
 from pathlib import Path
 
 import jax
@@ -19,6 +17,8 @@ import numpy as np
 import pytest
 
 from jmp_policy.app.benchmarks import _transformer_lm, transformer
+
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,11 +95,7 @@ def test_the_benchmark_model_is_the_example_model():
     # The benchmark carries its own copy of the example's model (a wheel has
     # no examples/); with its extra fields left at None it is the same model:
     # the same parameters and the same loss on the same batch.
-    path = ROOT / "examples" / "transformer_lm.py"
-    spec = importlib.util.spec_from_file_location("transformer_lm", path)
-    example = importlib.util.module_from_spec(spec)
-    sys.modules["transformer_lm"] = example  # linen modules are dataclasses: they look it up
-    spec.loader.exec_module(example)
+    example = load_script("examples/transformer_lm.py", "transformer_lm")
     batches, _, vocab_size = example.make_data(1)
     ours_batches, _, ours_vocab = _transformer_lm.make_data(1)
     np.testing.assert_array_equal(batches, ours_batches)

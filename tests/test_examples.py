@@ -11,14 +11,14 @@ The Transformer benchmark, which carries its own copy of the model, is tested
 in `test_benchmarks.py`.
 """
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,18 +27,6 @@ STEPS = 300
 # 1.52 here, from ln(88) = 4.48 at the start). Measured differences to float32:
 # 0.002 (bfloat16) and < 0.001 (float16); 0.03 nats is about 2% of the loss.
 LOSS_TOLERANCE = 0.03
-
-
-def _load(relative_path: str, name: str):
-    path = ROOT / relative_path
-    module = sys.modules.get(name)
-    if module is not None and Path(getattr(module, "__file__", "")).resolve() == path:
-        return module
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # linen modules are dataclasses: they look it up
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,7 +40,7 @@ def _standard_promotion():
 
 @pytest.fixture(scope="module")
 def transformer_lm():
-    return _load("examples/transformer_lm.py", "transformer_lm")
+    return load_script("examples/transformer_lm.py", "transformer_lm")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +83,7 @@ def test_transformer_mixed_float16_loss_scaled_matches_float32(transformer_lm, f
 
 
 def test_train_mlp_demo_prints_a_row_per_policy(capsys):
-    train_mlp = _load("examples/train_mlp.py", "train_mlp")
+    train_mlp = load_script("examples/train_mlp.py", "train_mlp")
     results = train_mlp.main(["--steps", "20"])
     out = capsys.readouterr().out
     lines = out.splitlines()
@@ -116,7 +104,7 @@ def test_train_mlp_demo_prints_a_row_per_policy(capsys):
 
 
 def test_nnx_example_prints_a_row_per_policy(capsys):
-    nnx_mlp = _load("examples/nnx_mlp.py", "nnx_mlp")
+    nnx_mlp = load_script("examples/nnx_mlp.py", "nnx_mlp")
     results = nnx_mlp.main(["--steps", "40"])
     lines = capsys.readouterr().out.splitlines()
     assert "NNX" in lines[0] and "40 Adam steps" in lines[0]

@@ -24,9 +24,7 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
-import sys
 from pathlib import Path
 
 import jax
@@ -38,6 +36,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jmp_policy as jmp
+
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -518,11 +518,7 @@ def test_bad_input_raises_naming_the_argument():
 
 @pytest.mark.slow
 def test_benchmark_quick_mode_orders_the_runs_and_prints_the_bytes():
-    path = ROOT / "benchmarks" / "half_params.py"
-    spec = importlib.util.spec_from_file_location("half_params_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/half_params.py", "half_params_benchmark")
     out = io.StringIO()
     with contextlib.redirect_stdout(out), jax.numpy_dtype_promotion("standard"):
         status, result = bench.main(["--quick"])
@@ -543,11 +539,7 @@ def test_benchmark_quick_mode_orders_the_runs_and_prints_the_bytes():
 def test_train_mlp_example_learns_with_bfloat16_params_only_through_the_wrapper():
     # examples/train_mlp.py at learning rate 1e-4, 100 steps: measured 1.91
     # (plain bfloat16 parameters) against 1.24 (kahan); mixed_bfloat16 1.28.
-    path = ROOT / "examples" / "train_mlp.py"
-    spec = importlib.util.spec_from_file_location("train_mlp_half", path)
-    train_mlp = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = train_mlp
-    spec.loader.exec_module(train_mlp)
+    train_mlp = load_script("examples/train_mlp.py", "train_mlp")
     with jax.numpy_dtype_promotion("standard"):
         plain = train_mlp.train("bf16", None, 100, 0, learning_rate=1e-4)
         kahan = train_mlp.train("bf16", None, 100, 0, learning_rate=1e-4, half_params="kahan")

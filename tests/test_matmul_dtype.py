@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import collections
 import functools
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import flax.linen as nn
@@ -38,6 +36,8 @@ from jax import lax
 import jmp_policy as jmp
 import jmp_policy.nnx as jnnx
 from jmp_policy.core.matmul import E4M3_MAX, E5M2_MAX, fp8_scale
+
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 F32 = np.dtype(np.float32)
@@ -145,21 +145,9 @@ def assert_fp8(counts, kept_out=0):
     return fwd
 
 
-def _load(relative_path: str, name: str):
-    path = ROOT / relative_path
-    module = sys.modules.get(name)
-    if module is not None and Path(getattr(module, "__file__", "")).resolve() == path:
-        return module
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # linen modules are dataclasses: they look it up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def lm():
-    return _load("examples/transformer_lm.py", "transformer_lm")
+    return load_script("examples/transformer_lm.py", "transformer_lm")
 
 
 @pytest.fixture(scope="module")

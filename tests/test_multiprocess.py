@@ -36,7 +36,6 @@ normal suite runs it).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -51,6 +50,8 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "_multiprocess_worker.py"
@@ -69,19 +70,7 @@ LOSS_RTOL = 1e-3  # the losses: measured within 1e-3 relative
 pytestmark = pytest.mark.slow
 
 
-def _load_worker():
-    name = "_multiprocess_worker"
-    module = sys.modules.get(name)
-    if module is not None and Path(getattr(module, "__file__", "")).resolve() == WORKER:
-        return module
-    spec = importlib.util.spec_from_file_location(name, WORKER)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # linen modules are dataclasses: they look it up
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_script("tests/_multiprocess_worker.py", "_multiprocess_worker")
 
 
 def free_port() -> int:
