@@ -35,6 +35,7 @@ from jax import lax
 
 import jmp_policy as jmp
 import jmp_policy.nnx as jnnx
+from jmp_policy.app.benchmarks.transformer import make_train_step
 from jmp_policy.core.matmul import E4M3_MAX, E5M2_MAX, fp8_scale
 
 from helpers import load_script
@@ -160,20 +161,8 @@ def lm_setup(lm):
 
 
 def lowered_train_step(lm, apply, params, tx, opt_state, batch) -> str:
-    """The example's README train step around `apply`, jitted and lowered."""
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss_scale = jmp.get_loss_scale(opt_state)
-
-        def scaled_loss(p):
-            loss = lm.loss_fn(apply, p, batch)
-            return loss_scale.scale(loss), loss
-
-        grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    """The example's README train step around `apply` (the benchmark's), jitted and lowered."""
+    step = make_train_step(lm, apply, tx)
     return step.lower(params, opt_state, batch).as_text()
 
 
