@@ -529,22 +529,6 @@ def test_transformer_block_train_step_all_products_half():
     assert_close(*run_together([grad, jax.grad(loss, (0, 1))], params, x))
 
 
-@pytest.mark.parametrize(
-    "env, cpuinfo, expected",
-    [
-        ({}, "flags : fpu avx512f avx512_bf16 amx_tile", True),
-        ({}, "flags : fpu amx_bf16", True),
-        ({}, "flags : fpu avx2 avx512f", False),  # No bf16 path in XNNPACK: not needed.
-        ({"JMP_POLICY_CPU_BF16_DOT_WORKAROUND": "0"}, "flags : avx512_bf16", False),
-        ({"JMP_POLICY_CPU_BF16_DOT_WORKAROUND": "1"}, "flags : avx2", True),
-    ],
-)
-def test_cpu_bf16_dot_workaround_only_where_needed(env, cpuinfo, expected):
-    from jmp_policy.core.matmul import cpu_bf16_dot_workaround
-
-    assert cpu_bf16_dot_workaround(env, cpuinfo) is expected
-
-
 # --------------------------------------------------------------------------
 # Issue 10: NNX modules that update their state, and `jax.pmap` / `shard_map` bodies.
 

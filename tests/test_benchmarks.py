@@ -111,3 +111,24 @@ def test_the_benchmark_model_is_the_example_model():
         example.loss_fn(apply_theirs, theirs, batches[0]),
         _transformer_lm.loss_fn(apply_ours, ours, batches[0]),
     )
+
+
+def test_cpu_dot_benchmark_compares_the_cpu_form_with_the_dot_as_written():
+    # The attention product XLA:CPU rejects as written runs in the CPU form,
+    # with float32's values (bf16 inputs, float32 accumulation); the Dense
+    # products run both ways with the same values.
+    import jax
+    import numpy as np
+
+    from jmp_policy.app.benchmarks import cpu_dot
+
+    cases = cpu_dot.cases(quick=True)
+    assert list(cases) == [
+        "dense fwd [T,K]x[K,N]", "dense dx [T,N]x[K,N]", "dense dw [T,K]x[T,N]",
+        "attention backward", "MLP train step",
+    ]  # fmt: skip
+    f32, written, cpu = (cpu_dot.ready(b) for b in cases["attention backward"])
+    assert isinstance(written, str) and "DotThunk" in written, written
+    np.testing.assert_allclose(jax.device_get(cpu()), jax.device_get(f32()), rtol=2e-2, atol=0.5)
+    f32, written, cpu = (cpu_dot.ready(b) for b in cases["dense dw [T,K]x[T,N]"])
+    np.testing.assert_array_equal(jax.device_get(cpu()), jax.device_get(written()))

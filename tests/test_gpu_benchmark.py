@@ -17,7 +17,6 @@ precision it claims (bfloat16 for the half variants, HIGHEST only for
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -172,43 +171,102 @@ def test_matmul_parameter_count_is_the_models():
     assert sum(kernels) == bench.matmul_params(cfg)
 
 
-def test_gpu_size_step_lowers_with_the_matmul_dtypes_each_variant_claims():
-    # The GPU size cannot run here, but its whole train step can be traced and
-    # lowered (no compile, abstract inputs): every variant builds, and its
-    # dot_generals take the operands it says (bf16 for the half variants).
-    import re
+# ------------------------------------------------------- the GPU path, lowered for CUDA
 
+# What each variant's train step at the GPU size must be, as a GPU would get it:
+# its products (9 forward: 8 in the one scanned block and the head; 18 backward).
+EXPECTED_PRODUCTS = {
+    "float32": "27 f32 x f32 -> f32",
+    "flax dtype=bf16": "27 bf16 x bf16 -> bf16",
+    "with_policy mixed_bfloat16": "27 bf16 x bf16 -> bf16",
+    "with_policy + loss_scaled": "27 bf16 x bf16 -> bf16",
+    "with_policy + half_dot_general": "27 bf16 x bf16 -> f32",
+    "policy m=bf16": "27 bf16 x bf16 -> f32",
+    # FP8 operands straight into the products: e4m3 x e4m3 forward, the e5m2
+    # output gradient with a saved e4m3 operand backward (never e5m2 x e5m2).
+    "policy mixed_float8": "9 f8E4M3FN x f8E4M3FN -> f32, 18 f8E5M2 x f8E4M3FN -> f32",
+    "float32 HIGHEST": "27 f32 x f32 -> f32",
+}
+
+
+@pytest.fixture(scope="module")
+def lower_only_run(tmp_path_factory):
+    # As a user without a GPU runs it; lowering only, about 10 s.
+    out = tmp_path_factory.mktemp("gpu_lower")
+    env = _env(out)
+    env.pop("XLA_FLAGS")
+    return subprocess.run(
+        ["bash", str(SCRIPT), "--lower-only"],
+        cwd=out, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+
+
+def test_gpu_sh_lower_only_prints_what_a_gpu_would_run(lower_only_run):
+    run = lower_only_run
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "lowered for cuda" in run.stdout and "8 of 8 variants as claimed" in run.stdout
+    assert "NOT AS CLAIMED" not in run.stdout
+    rows = {}
+    for line in run.stdout.splitlines():
+        if line[:32].rstrip() in EXPECTED_PRODUCTS and line[32:33] == " ":
+            rows[line[:32].rstrip()] = line[33:].split(None, 4)
+    assert list(rows) == list(EXPECTED_PRODUCTS), run.stdout
+    for name, (cpu_form, checks, selects, highest, products) in rows.items():
+        assert products == EXPECTED_PRODUCTS[name], (name, products)
+        assert cpu_form == "0", name  # no CPU-only branch in a CUDA program
+        # loss_scaled: each of the 22 gradient leaves checked once, one select
+        # per leaf of the updates (22) and of adam's state (mu, nu, count: 45).
+        assert (checks, selects) == (("22", "67") if name == bench.LOSS_SCALED else ("0", "0"))
+        assert highest == ("27" if name == "float32 HIGHEST" else "0"), name
+
+
+def test_the_check_sees_the_cpu_form_where_there_is_one():
+    # Not vacuous: the same program lowered for the CPU holds the CPU-only
+    # form of its half products, and `check` reports it.
     import jax
     import jax.numpy as jnp
 
-    cfg = bench.CONFIGS["gpu"]
+    from jmp_policy.app.benchmarks import _gpu_lowering
+
+    cfg = bench.CONFIGS["tiny"]
+    variant = next(v for v in bench.VARIANTS if v.policy == "p=f32,c=bf16,o=f32,m=bf16")
     tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)
-    params = jax.eval_shape(bench.TransformerLM(cfg).init, jax.random.key(0), tokens)
-    dot = re.compile(r"stablehlo.dot_general(.*?): \((tensor<[^>]*>), (tensor<[^>]*>)\) -> ")
-    float32_variants = {bench.REFERENCE, "float32 HIGHEST"}
+    inputs = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), jnp.int32)
+    params = jax.eval_shape(bench.TransformerLM(cfg).init, jax.random.key(0), inputs)
+    _, _, tx, step = bench._build(variant, cfg)
+    state = jax.eval_shape(tx.init, params)
+    claims = bench.claims(variant, len(jax.tree.leaves(params)), 0)
     with jax.numpy_dtype_promotion("standard"):
-        for v in bench.VARIANTS:
-            if v.needs_matmul_dtype and not bench.HAS_MATMUL_DTYPE:
-                continue
-            _, _, tx, step = bench._build(v, cfg)
-            state = jax.eval_shape(tx.init, params)
-            precision = (
-                jax.default_matmul_precision(v.precision)
-                if v.precision
-                else contextlib.nullcontext()
-            )
-            with precision:
-                text = jax.jit(step).lower(params, state, tokens).as_text()
-            dots = dot.findall(text)
-            # Forward: 8 in the scanned block (q, k, v, scores, weighted values,
-            # out, 2 MLP; one scan body in the program) and the head; backward 2 each.
-            assert len(dots) == 27, (v.name, len(dots))
-            operands = {t.rsplit("x", 1)[1] for d in dots for t in d[1:]}
-            if v.name in float32_variants:
-                assert operands == {"f32>"}, (v.name, operands)
-            elif not v.needs_matmul_dtype or "m=bf16" in v.policy:
-                assert operands == {"bf16>"}, (v.name, operands)
-            else:  # mixed_float8: e4m3 operands, the output gradients e5m2
-                assert operands == {"f8E4M3FN>", "f8E5M2>"}, (v.name, operands)
-            highest = ["HIGHEST" in d[0] for d in dots]
-            assert all(highest) if v.precision == "highest" else not any(highest), v.name
+        for platform, has_cpu_form in (("cpu", True), ("cuda", False)):
+            text = _gpu_lowering.lower(step, params, state, tokens, platform=platform)
+            s = _gpu_lowering.structure(text)
+            assert (s.cpu_form > 0) is has_cpu_form, platform
+            problems = _gpu_lowering.check(claims, s)
+            assert any("CPU-only form" in p for p in problems) is has_cpu_form, problems
+            assert s.dots == {("bf16", "bf16", "f32"): 27}, s.dots
+
+
+def test_readme_first_example_lowers_for_cuda_as_a_gpu_needs_it():
+    # The README's train step (float16 layers, loss_scaled): on a GPU, every
+    # product float16, no CPU-only branch, each gradient checked once.
+    import re
+
+    import jax
+
+    from jmp_policy.app.benchmarks import _gpu_lowering
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    # The first example (the first train step), without its 100 training steps.
+    block = next(b for b in blocks if "def train_step(params, opt_state, x, y)" in b)
+    namespace: dict = {}
+    with jax.numpy_dtype_promotion("standard"):
+        exec(block.split("for step in range")[0], namespace)
+        args = [namespace[k] for k in ("params", "opt_state", "x", "y")]
+        text = _gpu_lowering.lower(namespace["train_step"], *args)
+    s = _gpu_lowering.structure(text)
+    leaves = len(jax.tree.leaves(namespace["params"]))
+    state_leaves = len(jax.tree.leaves(namespace["opt_state"].inner_state))
+    # 2 Dense layers: 2 products forward, 3 backward (no input gradient for x).
+    assert s.dots == {("f16", "f16", "f16"): 5}, s.dots
+    assert (s.cpu_form, s.finiteness_checks, s.skip_selects) == (0, leaves, leaves + state_leaves)

@@ -450,10 +450,12 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
                 f"all_finite: every leaf of tree must be an array or a number, got "
                 f"{x!r}{where} (a {type(x).__name__})."
             )
-    leaves = [jnp.isfinite(x).all() for _, x in leaves_with_paths if _is_inexact(x)]
-    finite = jnp.stack(leaves).all() if leaves else jnp.array(True)
-    if axis_name is not None:
-        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    # A named scope: profiles and lowered programs show where the check is.
+    with jax.named_scope("jmp_policy_all_finite"):
+        leaves = [jnp.isfinite(x).all() for _, x in leaves_with_paths if _is_inexact(x)]
+        finite = jnp.stack(leaves).all() if leaves else jnp.array(True)
+        if axis_name is not None:
+            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
     return finite
 
 

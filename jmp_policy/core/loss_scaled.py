@@ -137,9 +137,10 @@ def loss_scaled(
         # which optax computes float32 moments: store them as they were.
         inner_state = jax.tree.map(_as_dtype_of, inner_state, state.inner_state)
         # -0.0, not 0.0: p + (-0.0) == p bit for bit, signed zeros included.
-        skip_updates = jax.tree.map(lambda u: jnp.full_like(u, -0.0), updates)
-        updates = select_tree(finite, updates, skip_updates)
-        inner_state = select_tree(finite, inner_state, state.inner_state)
+        with jax.named_scope("jmp_policy_skip_step"):
+            skip_updates = jax.tree.map(lambda u: jnp.full_like(u, -0.0), updates)
+            updates = select_tree(finite, updates, skip_updates)
+            inner_state = select_tree(finite, inner_state, state.inner_state)
         notfinite = (~finite).astype(jnp.int32)
         return updates, LossScaledState(
             loss_scale=state.loss_scale.adjust(finite),

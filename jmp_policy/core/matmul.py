@@ -52,32 +52,24 @@ def widest(dtypes: Iterable[np.dtype]) -> np.dtype:
     return wide
 
 
-# XLA:CPU hands a bf16 x bf16 -> f32 dot to XNNPACK on CPUs with bfloat16
-# instructions (AVX512-BF16, AMX) and may fold operand transposes into it,
-# which XNNPACK rejects; the fallback then fails with "UNIMPLEMENTED:
-# Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32". Seen with
-# jaxlib 0.10.2 in the backward pass of attention (reproduced by
-# tests/test_autocast.py::test_transformer_block_train_step_all_products_half
-# with the workaround off); no upstream report was found to cite. On such
-# CPUs these dots are emitted as a [B, K, M] x [B, K, N] product, which
-# XLA:CPU computes in float32 from the bf16 operands (the same values). Other
-# CPUs and other platforms get the dot as written.
-# JMP_POLICY_CPU_BF16_DOT_WORKAROUND=1 or 0 forces it on or off (to check a newer
-# jaxlib).
-def cpu_bf16_dot_workaround(
-    env: Mapping[str, str] = os.environ, cpuinfo: str | None = None
-) -> bool:
-    """Whether bf16 x bf16 -> f32 dots on CPU take the form XLA:CPU can run."""
-    forced = env.get("JMP_POLICY_CPU_BF16_DOT_WORKAROUND")
-    if forced in ("0", "1"):
-        return forced == "1"
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return True  # Cannot tell: the safe form (same values).
-    return any(flag in cpuinfo.split() for flag in ("avx512_bf16", "amx_bf16"))
+# XLA:CPU (jaxlib 0.10.2) rejects some bf16 x bf16 -> f32 dots: "UNIMPLEMENTED:
+# Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32". Which ones
+# depends on the layout, the sizes and what XLA fuses around the dot (e.g.
+# [2,2,8,6] x [2,6,2,8] with batch dimensions (0, 1) and (0, 2); [8,6] x [6,8,6]
+# contracting 0 with 1), not on the CPU's instructions: they fail with and
+# without AVX512-BF16 and under --xla_cpu_max_isa=AVX2 or SSE4_2 alike. One form
+# ran in every case tried (tests/test_cpu_layouts.py, the test suite, random
+# layouts): both operands transposed to [B, K, M] and [B, K, N]. So on the CPU
+# platform every half x half -> f32 dot takes that form (its cost:
+# benchmarks/cpu_dot.py), and loses any DotAlgorithmPreset: JAX refuses to
+# lower F16_F16_F32 (asked for by jax.nn.dot_product_attention) for CPU, and
+# half operands with float32 accumulation is what the form computes anyway.
+# `lax.platform_dependent` keeps the branch out of GPU and TPU programs, which
+# get the dot as written. JMP_POLICY_CPU_BF16_DOT_WORKAROUND=0 turns it off (to
+# check a newer jaxlib).
+def cpu_bf16_dot_workaround(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether half x half -> f32 dots on the CPU platform take the form XLA:CPU runs."""
+    return env.get("JMP_POLICY_CPU_BF16_DOT_WORKAROUND", "1") != "0"
 
 
 _CPU_BF16_DOT_WORKAROUND = cpu_bf16_dot_workaround()
@@ -91,16 +83,33 @@ def dot_product(dimension_numbers: Any, precision: Any = None, out_sharding: Any
         return lax.dot_general(a, b, dims, precision, pet, out_sharding=out_sharding)
 
     def product(a, b, pet):
-        bf16_to_f32 = a.dtype == jnp.bfloat16 and pet == F32 and out_sharding is None
-        if not (bf16_to_f32 and _CPU_BF16_DOT_WORKAROUND):
+        if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize == 1:
+            # FP8 operands go into the dot as they are: an algorithm preset
+            # (F16_F16_F32) would have JAX convert them to its input type.
+            return lax.dot_general(a, b, dims, _without_algorithm(precision), pet,
+                                   out_sharding=out_sharding)  # fmt: skip
+        half_to_f32 = a.dtype in _HALF_DTYPES and pet == F32 and out_sharding is None
+        if not (half_to_f32 and _CPU_BF16_DOT_WORKAROUND):
             return dot(a, b, pet)
-        cpu = functools.partial(_cpu_dot, dims=dims, precision=precision)
+        cpu = functools.partial(_cpu_dot, dims=dims, precision=_without_algorithm(precision))
         return lax.platform_dependent(a, b, cpu=cpu, default=functools.partial(dot, pet=pet))
 
     return product
 
 
+def _without_algorithm(precision: Any) -> Any:
+    """`precision` less an algorithm preset: the product's operand and accumulation
+    types are already the ones it names (half or FP8 operands, float32 result)."""
+    return None if isinstance(precision, (lax.DotAlgorithm, lax.DotAlgorithmPreset)) else precision
+
+
+# The name scope of the CPU form: a program's debug locations show where it is.
+CPU_FORM_SCOPE = "jmp_policy_cpu_dot"
+
+
+@jax.named_scope(CPU_FORM_SCOPE)
 def _cpu_dot(lhs, rhs, dims, precision):
+    """The dot as one [B, K, M] x [B, K, N] product: the form XLA:CPU always ran."""
     (lc, rc), (lb, rb) = dims
     lf = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
     rf = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]

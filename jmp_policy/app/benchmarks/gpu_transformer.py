@@ -97,6 +97,7 @@ import optax
 
 import jmp_policy
 from jmp_policy import Policy
+from jmp_policy.app.benchmarks import _gpu_lowering
 
 SIZE_ENV = "JMP_POLICY_BENCH_SIZE"
 BUDGET_ENV = "JMP_POLICY_BENCH_BUDGET_S"
@@ -367,6 +368,66 @@ def _build(variant: Variant, cfg: Config) -> tuple[Any, Callable, Any, Callable]
     return model, apply, tx, step
 
 
+def claims(variant: Variant, grad_leaves: int, state_leaves: int) -> dict[str, Any]:
+    """What `variant`'s lowered train step must show on a GPU (`_gpu_lowering.check`)."""
+    if variant.name in (REFERENCE, "float32 HIGHEST"):
+        out: dict[str, Any] = {"operands": {"f32"}, "result": "f32"}
+    elif variant.policy == "mixed_float8":
+        out = {"operands": {_gpu_lowering.E4M3, _gpu_lowering.E5M2}, "result": "f32", "fp8": True}
+    elif variant.half_dot_general or "m=bf16" in (variant.policy or ""):
+        out = {"operands": {"bf16"}, "result": "f32"}  # float32 accumulation
+    else:
+        out = {"operands": {"bf16"}, "result": "bf16"}  # Flax's own bf16 layers
+    # loss_scaled: each gradient leaf checked once; one select per leaf of the
+    # updates and of adam's state (skipped steps keep it).
+    out["finiteness_checks"] = grad_leaves if variant.loss_scaled else 0
+    out["skip_selects"] = grad_leaves + state_leaves if variant.loss_scaled else 0
+    out["highest"] = variant.precision == "highest"
+    return out
+
+
+def lower_only(cfg: Config, log: _Log, platform: str = "cuda") -> int:
+    """Lowers every variant's train step for `platform`, prints its structure and
+    whether it holds what the variant claims; returns 0 if all do, else 1."""
+    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)
+    inputs = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), jnp.int32)
+    params = jax.eval_shape(TransformerLM(cfg).init, jax.random.key(0), inputs)
+    grad_leaves = len(jax.tree.leaves(params))
+    log(
+        f"train steps lowered for {platform} (not compiled, not run), jax {jax.__version__}: "
+        f"width {cfg.width}, {cfg.layers} layers, seq {cfg.seq}, batch {cfg.batch}; "
+        f"{grad_leaves} gradient leaves"
+    )
+    header = (
+        f"{'variant':<32} {'CPU form':>8} {'checks':>6} {'selects':>7} {'HIGHEST':>7}  products"
+    )
+    log(header)
+    log("-" * 100)
+    failed = 0
+    for variant in VARIANTS:
+        _, _, tx, step = _build(variant, cfg)
+        state = jax.eval_shape(tx.init, params)
+        precision = (
+            jax.default_matmul_precision(variant.precision)
+            if variant.precision
+            else contextlib.nullcontext()
+        )
+        with precision:
+            s = _gpu_lowering.structure(_gpu_lowering.lower(step, params, state, tokens))
+        inner = len(jax.tree.leaves(jax.eval_shape(optax.adam(1e-4).init, params)))
+        problems = _gpu_lowering.check(claims(variant, grad_leaves, inner), s)
+        failed += bool(problems)
+        log(
+            f"{variant.name:<32} {s.cpu_form:>8} {s.finiteness_checks:>6} {s.skip_selects:>7} "
+            f"{s.highest:>7}  "
+            f"{s.describe_dots()}"
+        )
+        for p in problems:
+            log(f"  NOT AS CLAIMED: {p}")
+    log(f"{len(VARIANTS) - failed} of {len(VARIANTS)} variants as claimed")
+    return 1 if failed else 0
+
+
 # ----------------------------------------------------------------------- running
 
 
@@ -630,6 +691,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="the tiny size unless --size is given")
     parser.add_argument(
+        "--lower-only",
+        action="store_true",
+        help="lower every variant for CUDA (the gpu size unless --size is given) and print "
+        "the structure of its program instead of running it: no GPU needed",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=None,
@@ -639,6 +706,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if env_size is not None and env_size not in SIZES:
         parser.error(f"${SIZE_ENV}: {env_size!r} is not one of {', '.join(SIZES)}")
     size = args.size or env_size or ("tiny" if args.quick else "auto")
+    if args.lower_only:
+        with jax.numpy_dtype_promotion("standard"):
+            return lower_only(CONFIGS["gpu" if size == "auto" else size], _Log())
     if size == "auto":
         size = "gpu" if jax.default_backend() == "gpu" else "tiny"
     cfg = CONFIGS[size]

@@ -1,0 +1,202 @@
+"""Half-precision products in every layout a train step produces, run on this CPU.
+
+XLA:CPU rejects some bf16 x bf16 -> f32 dots ("UNIMPLEMENTED: Unsupported
+element type for DotThunk::Execute: BF16 x BF16 = F32"), depending on the
+layout and the sizes, on CPUs with and without AVX512-BF16 alike; JAX
+refuses to lower the F16_F16_F32 algorithm that `jax.nn.dot_product_attention`
+asks for. jmp_policy emits every half product on the CPU platform in a form
+XLA:CPU runs (`jmp_policy/core/matmul.py`). Here each policy that makes half
+or FP8 products (`autocast` in bf16 and f16, `m=bf16`, `m=f16`,
+`mixed_float8`) runs one function holding a product of every layout:
+`dot_general` with either operand transposed, batch dimensions leading, in
+the middle, last and split, several contracting dimensions, the einsums of
+attention, a product with the F16_F16_F32 algorithm, and convolutions
+(strided, dilated, grouped); forward and backward (a VJP with a random
+cotangent), compared with float32 with a tolerance per dtype.
+
+With the CPU form turned off, the same function fails on this jaxlib
+(`test_without_the_cpu_form_the_layouts_fail`): that is how the test is known
+to catch the bug.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jmp_policy as jmp
+from jmp_policy.core import matmul
+
+from helpers import lowered_ops
+
+F32 = np.float32
+
+
+def _dot(dims, precision=None, preferred_element_type=None):
+    return lambda a, b: lax.dot_general(a, b, dims, precision, preferred_element_type)
+
+
+def _einsum(spec):
+    return lambda a, b: jnp.einsum(spec, a, b)
+
+
+def _conv(strides, padding, rhs_dilation=(1, 1), groups=1):
+    def conv(x, k):
+        return lax.conv_general_dilated(
+            x, k, strides, padding, rhs_dilation=rhs_dilation,
+            dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=groups,
+        )  # fmt: skip
+
+    return conv
+
+
+# name: (product, lhs shape, rhs shape). Sizes are small but not all equal,
+# so a wrong dimension order cannot go unnoticed.
+LAYOUTS = {
+    "dense [T,K]x[K,N]": (_dot((((1,), (0,)), ((), ()))), (12, 16), (16, 8)),
+    "dense 3-D input": (_dot((((2,), (0,)), ((), ()))), (2, 6, 16), (16, 8)),
+    "lhs transposed [K,T]x[K,N]": (_dot((((0,), (0,)), ((), ()))), (16, 12), (16, 8)),
+    "rhs transposed [T,K]x[N,K]": (_dot((((1,), (1,)), ((), ()))), (12, 16), (8, 16)),
+    "both transposed": (_dot((((0,), (1,)), ((), ()))), (16, 12), (8, 16)),
+    "two contracting dims": (_dot((((2, 3), (0, 1)), ((), ()))), (2, 6, 4, 8), (4, 8, 16)),
+    "contracting dims swapped": (_dot((((1, 2), (2, 0)), ((), ()))), (6, 4, 8), (8, 16, 4)),
+    "batch leading": (_dot((((2,), (1,)), ((0,), (0,)))), (3, 12, 16), (3, 16, 8)),
+    "batch in the middle": (_dot((((2,), (0,)), ((1,), (1,)))), (12, 3, 16), (16, 3, 8)),
+    "batch last": (_dot((((1,), (0,)), ((2,), (2,)))), (12, 16, 3), (16, 8, 3)),
+    "two batch dims apart": (_dot((((2,), (3,)), ((0, 1), (0, 2)))), (2, 3, 8, 6), (2, 6, 3, 8)),
+    "free dims around contraction": (_dot((((0,), (1,)), ((), ()))), (8, 6), (6, 8, 5)),
+    "attention scores": (_einsum("bqhd,bkhd->bhqk"), (2, 6, 3, 8), (2, 5, 3, 8)),
+    "attention values": (_einsum("bhqk,bkhd->bqhd"), (2, 3, 6, 5), (2, 5, 3, 8)),
+    "attention scores, heads first": (_einsum("bhqd,bhkd->bhqk"), (2, 3, 6, 8), (2, 3, 5, 8)),
+    # As jax.nn.dot_product_attention asks for its scores.
+    "F16_F16_F32 algorithm": (
+        _dot((((1,), (0,)), ((), ())), lax.DotAlgorithmPreset.F16_F16_F32, F32),
+        (12, 16),
+        (16, 8),
+    ),
+    "conv 3x3 same": (_conv((1, 1), "SAME"), (2, 7, 6, 4), (3, 3, 4, 8)),
+    "conv strided": (_conv((2, 2), "VALID"), (2, 9, 8, 4), (3, 3, 4, 8)),
+    "conv dilated": (_conv((1, 1), "SAME", rhs_dilation=(2, 2)), (2, 7, 6, 4), (3, 3, 4, 8)),
+    "conv grouped": (_conv((1, 1), "SAME", groups=2), (2, 7, 6, 4), (3, 3, 2, 8)),
+}
+# The F16_F16_F32 product takes float16 operands (JAX: the algorithm's input type).
+F16_ALGORITHM = "F16_F16_F32 algorithm"
+
+# policy: (compute dtype of the products, relative tolerance of outputs and gradients).
+# FP8: e4m3 keeps 3 mantissa bits, e5m2 2 (the output gradient): relative
+# errors of up to 2^-4 and 2^-3 per element, ~0.1 in norm (test_matmul_dtype's bounds).
+POLICIES = {
+    "autocast bf16": ("p=f32,c=bf16,o=f32", 2e-2),
+    "autocast f16": ("p=f32,c=f16,o=f32", 3e-3),
+    "m=bf16": ("p=f32,c=bf16,o=f32,m=bf16", 2e-2),
+    "m=f16": ("p=f32,c=f16,o=f32,m=f16", 3e-3),
+    "mixed_float8": ("mixed_float8", 0.15),
+}
+
+
+def _operands():
+    keys = iter(jax.random.split(jax.random.key(0), 2 * len(LAYOUTS)))
+    ops = {}
+    for name, (_, lhs, rhs) in LAYOUTS.items():
+        dtype = np.float16 if name == F16_ALGORITHM else F32
+        ops[name] = tuple(jax.random.normal(next(keys), s, dtype) for s in (lhs, rhs))
+    return ops
+
+
+OPERANDS = _operands()
+
+
+def products(operands):
+    return {name: LAYOUTS[name][0](*ab) for name, ab in operands.items()}
+
+
+def float32_products(operands):
+    """The same products on float32 operands, the F16_F16_F32 algorithm left out
+    (XLA:CPU has none): the reference."""
+    out = {}
+    for name, (a, b) in operands.items():
+        fn = _dot((((1,), (0,)), ((), ()))) if name == F16_ALGORITHM else LAYOUTS[name][0]
+        out[name] = fn(a.astype(F32), b.astype(F32))
+    return out
+
+
+def forward_and_backward(fn):
+    """`(outputs, operand gradients)` of `fn` for one fixed random cotangent per output."""
+
+    def run(operands):
+        outs, vjp = jax.vjp(fn, operands)
+        keys = jax.random.split(jax.random.key(1), len(outs))
+        cotangents = {
+            n: jax.random.normal(k, o.shape, o.dtype) for k, (n, o) in zip(keys, outs.items())
+        }
+        (grads,) = vjp(cotangents)
+        return outs, grads
+
+    return jax.jit(run)
+
+
+def _rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with jax.default_matmul_precision("highest"):
+        return forward_and_backward(float32_products)(OPERANDS)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_layout_runs_forward_and_backward_close_to_float32(policy, reference):
+    spec, tol = POLICIES[policy]
+    outs, grads = forward_and_backward(jmp.autocast(products, spec))(OPERANDS)
+    want_outs, want_grads = reference
+    for name in LAYOUTS:
+        assert _rel_err(outs[name], want_outs[name]) < tol, (name, "forward")
+        for i in range(2):
+            assert grads[name][i].dtype == OPERANDS[name][i].dtype, name
+            assert _rel_err(grads[name][i], want_grads[name][i]) < tol, (name, "backward", i)
+
+
+@pytest.mark.parametrize("policy", ["autocast bf16", "m=f16", "mixed_float8"])
+def test_every_product_of_the_program_is_a_half_or_fp8_product(policy):
+    # The numerics above could also come from float32 products: the CPU
+    # program itself shows every contraction on half (or FP8) operands.
+    spec = POLICIES[policy][0]
+    ops = lowered_ops(forward_and_backward(jmp.autocast(products, spec)), OPERANDS)
+    contractions = [op for op in ops if op.name in ("dot_general", "convolution")]
+    # Forward and two backward products per layout.
+    assert len(contractions) == 3 * len(LAYOUTS)
+    narrow = {"bf16", "f16", "f8E4M3FN", "f8E5M2"}
+    for op in contractions:
+        assert set(op.operand_types) <= narrow, op.line
+        assert op.result_types == ("f32",), op.line
+
+
+def test_without_the_cpu_form_the_layouts_fail(monkeypatch):
+    # The bug this file guards against, shown on this jaxlib: with the CPU form
+    # off, the same bfloat16 products fail to run (or, if XLA:CPU has been
+    # fixed, the form could go: then this test says so and skips).
+    monkeypatch.setattr(matmul, "_CPU_BF16_DOT_WORKAROUND", False)
+    fn = forward_and_backward(jmp.autocast(lambda ops: products(ops), POLICIES["m=bf16"][0]))
+    try:
+        jax.block_until_ready(fn(OPERANDS))
+    except Exception as e:  # XLA's runtime error, or JAX's lowering one
+        message = str(e)
+        assert (
+            "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32" in message
+            or "is not supported by dot_general on CPU" in message
+        ), message
+    else:
+        pytest.skip(f"jaxlib {jax.__version__} runs every layout without the CPU form")
+
+
+def test_the_cpu_form_can_be_turned_off_by_the_environment():
+    from jmp_policy.core.matmul import cpu_bf16_dot_workaround
+
+    assert cpu_bf16_dot_workaround({}) is True  # The default, on every CPU.
+    assert cpu_bf16_dot_workaround({"JMP_POLICY_CPU_BF16_DOT_WORKAROUND": "0"}) is False
+    assert cpu_bf16_dot_workaround({"JMP_POLICY_CPU_BF16_DOT_WORKAROUND": "1"}) is True
