@@ -65,7 +65,10 @@ def structure(text: str) -> Structure:
     """The `Structure` of a lowered program's text (`lower`)."""
     dots: collections.Counter[tuple[str, str, str]] = collections.Counter()
     lines = text.splitlines()
-    locations = dict(m.groups() for m in map(_LOC_DEF.match, lines) if m)
+    locations: dict[str, str] = {}
+    for line in lines:
+        if m := _LOC_DEF.match(line):
+            locations[m[1]] = m[2]
     cpu_form = checks = selects = highest = 0
     for line in lines:
         op = _OP.match(line)

@@ -68,7 +68,9 @@ def _compiled(on: bool, fn: Callable, *args: Any) -> Callable[[], Any]:
     return lambda: compiled(*args)
 
 
-def _dot_builders(lhs_shape, rhs_shape, dims) -> list[Callable[[], Callable]]:
+def _dot_builders(
+    lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...], dims: Any
+) -> list[Callable[[], Callable]]:
     """Builders of the `FORMS` runners of one dot."""
     k1, k2 = jax.random.split(jax.random.key(0))
     lhs = jax.random.normal(k1, lhs_shape, jnp.float32)
@@ -90,9 +92,9 @@ def _dot_builders(lhs_shape, rhs_shape, dims) -> list[Callable[[], Callable]]:
 
 
 def _train_step_builders(
-    loss_of: Callable[[Callable, Any], jax.Array], params: Any
+    loss_of: Callable[[str, Any], jax.Array], params: Any
 ) -> list[Callable[[], Callable]]:
-    """Builders of the `FORMS` runners of the README's train step of `loss_of(apply, params)`."""
+    """Builders of the `FORMS` runners of the README's train step of `loss_of(policy, params)`."""
     tx = jmp_policy.loss_scaled(optax.adam(1e-3), jmp_policy.NoOpLossScale())
     opt_state = tx.init(params)
 
@@ -124,7 +126,8 @@ def cases(quick: bool) -> dict[str, list[Callable[[], Callable]]]:
     }
 
     width = 128 if quick else 256
-    mlp = nn.Sequential([nn.Dense(width), nn.relu] * 4 + [nn.Dense(10)])
+    layers: list[Callable] = [nn.Dense(width), nn.relu] * 4
+    mlp = nn.Sequential([*layers, nn.Dense(10)])
     x = jax.random.normal(jax.random.key(1), (256, width))
     y = jax.random.randint(jax.random.key(2), (256,), 0, 10)
 
