@@ -59,9 +59,12 @@ def widest(dtypes: Iterable[np.dtype]) -> np.dtype:
 # contracting 0 with 1), not on the CPU's instructions: they fail with and
 # without AVX512-BF16 and under --xla_cpu_max_isa=AVX2 or SSE4_2 alike. One form
 # ran in every case tried (tests/test_cpu_layouts.py, the test suite, random
-# layouts): both operands transposed to [B, K, M] and [B, K, N]. So on the CPU
-# platform every half x half -> f32 dot takes that form (its cost:
-# benchmarks/cpu_dot.py), and loses any DotAlgorithmPreset: JAX refuses to
+# layouts): both operands transposed to [B, K, M] and [B, K, N]. Dense-like
+# dots left as written (XLA:CPU runs them up to 2x faster with bf16
+# instructions) failed in context: XLA folds transposes around them into a
+# form it rejects. So on the CPU platform every half x half -> f32 dot takes
+# the [B, K, .] form (its cost: benchmarks/cpu_dot.py), and loses any
+# DotAlgorithmPreset: JAX refuses to
 # lower F16_F16_F32 (asked for by jax.nn.dot_product_attention) for CPU, and
 # half operands with float32 accumulation is what the form computes anyway.
 # `lax.platform_dependent` keeps the branch out of GPU and TPU programs, which
