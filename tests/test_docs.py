@@ -14,9 +14,8 @@ import zlib
 import jax
 import pytest
 import yaml
-from helpers import ROOT, python_blocks, run_python_blocks
 
-import jmp_policy
+from helpers import ROOT, python_blocks, run_python_blocks
 
 DOCS = ROOT / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md") if "_ext" not in p.relative_to(DOCS).parts)

@@ -1,6 +1,7 @@
 """The README's Python examples run, in order, in one namespace."""
 
 import jax
+
 from helpers import ROOT, run_python_blocks
 
 
