@@ -95,13 +95,16 @@ def test_site_builds_strict_with_every_public_name_rendered(site):
         anchor = location.split("#", 1)[1] if "#" in location else ""
         rendered.add(name if anchor == "$" else anchor)
     assert sorted(_public_names() - rendered) == []
-    assert (site / "guides" / "getting_started" / "index.html").is_file()
+    assert (site / "guides" / "getting_started.html").is_file()
 
 
 # Pages whose examples print what a reader is told to expect.
 EXPECTED_OUTPUT = {
     "guides/getting_started.md": ["skipped steps 0"],
     "guides/policies.md": ["applied 2, skipped 1, adam count 2"],
+    "guides/cli.md": [
+        "float16 would flush 100% of the gradient values to zero; recommended: mixed_bfloat16"
+    ],
 }
 
 
