@@ -174,3 +174,30 @@ def load_script(relative_path: str, name: str) -> types.ModuleType:
     sys.modules[name] = module  # linen modules are dataclasses: they look it up
     spec.loader.exec_module(module)
     return module
+
+
+# --------------------------------------------------------------------------
+# The Python examples of the README and the documentation pages.
+
+_PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", flags=re.S | re.M)
+
+
+def python_blocks(path: pathlib.Path) -> list[tuple[int, str]]:
+    """The ```python blocks of a Markdown file: (line number of the fence, code)."""
+    text = path.read_text()
+    return [(text.count("\n", 0, m.start()) + 1, m.group(1)) for m in _PYTHON_BLOCK.finditer(text)]
+
+
+def run_python_blocks(path: pathlib.Path) -> dict[str, Any]:
+    """Runs a Markdown file's ```python blocks in order, in one namespace, as a script.
+
+    Under JAX's default (standard) dtype promotion, as users run them. Tracebacks
+    point at the file's own lines. Returns the namespace.
+    """
+    blocks = python_blocks(path)
+    assert blocks, f"{path.name} has no Python example"
+    namespace: dict[str, Any] = {}
+    with jax.numpy_dtype_promotion("standard"):
+        for line, code in blocks:
+            exec(compile("\n" * line + code, str(path), "exec"), namespace)
+    return namespace

@@ -78,7 +78,7 @@ def test_default_demo_shows_the_result_of_the_paper(tmp_path):
     assert f32 > 95, out.getvalue()
     assert abs(bf16 - f32) <= 1 and abs(f16 - f32) <= 1, accuracy
     # The unscaled float16 row is chaotic: its figures vary with the machine
-    # (README: "What the demo shows"), so the property is asserted, not a number.
+    # (docs/guides/cli.md: "What it shows"), so the property is asserted, not a number.
     by_name = {r.name: r for r in results}
     unscaled, full = by_name[RUN_NAMES[3]], by_name[RUN_NAMES[0]]
     assert f16_unscaled < f32 - 10, accuracy

@@ -132,8 +132,8 @@ def test_wheel_contents(wheel):
         names = set(z.namelist())
         (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         meta = z.read(metadata).decode()
-    # The README's install command names this very file.
-    assert f"dist/{wheel.name}[" in (ROOT / "README.md").read_text()
+    # The installation guide's install command names this very file.
+    assert f"dist/{wheel.name}[" in (ROOT / "docs" / "guides" / "getting_started.md").read_text()
     assert "jmp_policy/py.typed" in names
     assert "jmp_policy/app/benchmarks/transformer.py" in names
     assert "jmp_policy/app/benchmarks/_transformer_lm.py" in names
@@ -284,7 +284,7 @@ def test_no_private_jax_import_and_no_reference_to_documents_outside_the_reposit
     banned = ("jax." + "_src", "design" + ".md", "../" + "shared")
     found = [
         f"{path.relative_to(ROOT)}: {word}"
-        for folder in ("jmp_policy", "tests", "benchmarks", "examples")
+        for folder in ("jmp_policy", "tests", "benchmarks", "examples", "docs")
         for path in sorted((ROOT / folder).rglob("*"))
         if path.suffix in (".py", ".md", ".toml", ".txt") and "__pycache__" not in path.parts
         for word in banned

@@ -308,7 +308,8 @@ def diagnose(grad_fn: Callable[..., Any] | Any, *args: Any, **kwargs: Any) -> Gr
       grad_fn: a function returning a pytree of gradients, e.g.
         `jax.grad(loss_fn)`; or the gradient pytree itself (then no
         `args`, and no matmul check).
-      *args, **kwargs: what to call `grad_fn` with.
+      *args: the positional arguments to call `grad_fn` with.
+      **kwargs: its keyword arguments.
 
     Returns:
       A `GradientReport`: per-array shares of underflow, subnormal and

@@ -21,8 +21,9 @@ class LossScaledState(NamedTuple):
     schedule given to the inner optimizer does not advance on a skipped step.
     A counter outside the optimizer that advances on every call (flax
     `TrainState.step`, `nnx.Optimizer.step`) counts all steps: applied steps
-    are that counter minus `total_notfinite` (see the README's "Which counter
-    counts applied steps" for a `TrainState` kept at applied steps).
+    are that counter minus `total_notfinite` (see "Which counter counts
+    applied steps" in docs/guides/policies.md for a `TrainState` kept at
+    applied steps).
 
     Both counters are int32 and saturate at 2**31 - 1 (as optax's
     `safe_increment`), they do not wrap around.

@@ -278,9 +278,10 @@ def half_dot_general(
     float16 policy, bfloat16 under a bfloat16 one) and in bfloat16 for
     float32 operands; `compute_dtype` fixes it.
 
+    `lhs`, `rhs`, `dimension_numbers`, `precision`, `preferred_element_type`
+    and `out_sharding` are as in `lax.dot_general`.
+
     Args:
-      lhs, rhs, dimension_numbers, precision, preferred_element_type,
-        out_sharding: as in `lax.dot_general`.
       compute_dtype: the dtype the operands are multiplied in: jnp.bfloat16,
         jnp.float16, or None for the operands' half dtype (else bfloat16).
 
@@ -341,10 +342,11 @@ def half_conv_general_dilated(
     The convolution counterpart of `half_dot_general`, a drop-in for Flax's
     `nn.Conv(..., conv_general_dilated=half_conv_general_dilated)`.
 
+    `lhs`, `rhs`, `window_strides`, `padding`, `lhs_dilation`, `rhs_dilation`,
+    `dimension_numbers`, `feature_group_count`, `batch_group_count`, `precision`
+    and `preferred_element_type` are as in `lax.conv_general_dilated`.
+
     Args:
-      lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
-        dimension_numbers, feature_group_count, batch_group_count, precision,
-        preferred_element_type: as in `lax.conv_general_dilated`.
       compute_dtype: as in `half_dot_general`.
 
     Returns:
@@ -499,9 +501,8 @@ def fp8_dot_general(
     scale carries it), so `loss_scaled` skips the step. Non-floating
     operands fall back to `lax.dot_general`.
 
-    Args:
-      lhs, rhs, dimension_numbers, precision, preferred_element_type,
-        out_sharding: as in `lax.dot_general`.
+    `lhs`, `rhs`, `dimension_numbers`, `precision`, `preferred_element_type`
+    and `out_sharding` are as in `lax.dot_general`.
 
     Returns:
       The product, in the dtype `lax.dot_general` would give.
