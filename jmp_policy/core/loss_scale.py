@@ -462,7 +462,7 @@ def _same(x: Any, y: Any) -> bool:
         return True
     try:
         return type(x) is type(y) and bool(x == y)
-    except Exception:  # noqa: BLE001 - an object whose `==` is not a bool
+    except Exception:  # An object whose `==` is not a bool.
         return False
 
 

@@ -71,7 +71,7 @@ def _match(tree: Any, candidates: list) -> Any:
     for other, arg in candidates:
         try:
             same = bool(other == signature)
-        except Exception:  # noqa: BLE001 - a node's aux data that cannot be compared
+        except Exception:  # A node's aux data that cannot be compared.
             same = False
         if same:
             return arg
