@@ -235,9 +235,15 @@ def net_results(net_setup):
     return dict(zip(names, outs))
 
 
+@pytest.fixture(scope="module")
+def net_product_count(net_setup):
+    text = eqx.filter_jit(grads_fn(net_loss, None)).lower(*net_setup).as_text()
+    return len(contractions(text))
+
+
 @pytest.mark.parametrize("policy", POLICIES)
-def test_net_every_product_half_with_float32_accumulation(net_setup, policy):
-    count = len(contractions(eqx.filter_jit(grads_fn(net_loss, None)).lower(*net_setup).as_text()))
+def test_net_every_product_half_with_float32_accumulation(net_setup, net_product_count, policy):
+    count = net_product_count
     assert count >= 20  # Convolution, linears and attention, forward and backward.
     text = eqx.filter_jit(grads_fn(net_loss, policy)).lower(*net_setup).as_text()
     assert_half_products(text, POLICIES[policy], count)
@@ -346,12 +352,15 @@ def test_filter_vmap_over_an_ensemble():
 
     inside = eqx.filter_vmap(autocast(apply, "mixed_bfloat16"))
     outside = autocast(eqx.filter_vmap(apply), "mixed_bfloat16")
-    both = eqx.filter_jit(lambda m, x: (inside(m, x), outside(m, x), eqx.filter_vmap(apply)(m, x)))
-    a, b, ref = both(ensemble, xs)
-    assert a.dtype == b.dtype == F32 and a.shape == (5, 3)
-    np.testing.assert_allclose(a, ref, atol=3e-2)
-    np.testing.assert_allclose(b, ref, atol=3e-2)
-    for fn in (inside, outside):
+    jit_inside = autocast(eqx.filter_jit(eqx.filter_vmap(apply)), "mixed_bfloat16")
+    fns = (inside, outside, jit_inside)
+    *outs, ref = eqx.filter_jit(
+        lambda m, x: [*(f(m, x) for f in fns), eqx.filter_vmap(apply)(m, x)]
+    )(ensemble, xs)
+    for out in outs:
+        assert out.dtype == F32 and out.shape == (5, 3)
+        np.testing.assert_allclose(out, ref, atol=3e-2)
+    for fn in fns:
         assert_half_products(eqx.filter_jit(fn).lower(ensemble, xs).as_text(), "bf16", 1)
 
 
