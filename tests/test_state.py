@@ -110,3 +110,18 @@ def test_cast_results_casts_state_back_to_the_arguments_dtypes(half):
         dtypes(cast_results(out, [jnp.zeros(2, half)], jmp.get_policy("bf16").cast_to_output))
         == [BF16] * 3
     )
+
+
+def test_linen_mutable_collections_keep_their_dtypes():
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.BatchNorm(use_running_average=False)(nn.Dense(4)(x))
+
+    x = jnp.ones((3, 2), F32)
+    variables = jax.eval_shape(Net().init, jax.random.key(0), x)
+    apply = autocast(Net().apply, HALF_OUT)
+    y, updates = jax.eval_shape(lambda v, x: apply(v, x, mutable=["batch_stats"]), variables, x)
+    assert dtypes(y) == [BF16] and dtypes(updates) == [F32, F32]
