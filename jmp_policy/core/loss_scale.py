@@ -457,6 +457,9 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     return finite
 
 
+_ARRAYS = (jax.Array, np.ndarray, np.generic)
+
+
 def _same(x: Any, y: Any) -> bool:
     if x is y:
         return True
@@ -499,8 +502,7 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
     _check_bool_scalar(pred, "pred")
 
     def select(path: Any, x: Any, y: Any) -> Any:
-        arrays = (jax.Array, np.ndarray, np.generic)
-        if _same(x, y) and not (isinstance(x, arrays) or isinstance(y, arrays)):
+        if _same(x, y) and not (isinstance(x, _ARRAYS) or isinstance(y, _ARRAYS)):
             return x  # A Python scalar, function, string...: nothing to select.
         if _is_array_like(x) and _is_array_like(y):
             return jax.lax.select(pred, x, y)

@@ -48,7 +48,7 @@ def _children(tree: Any) -> list[Any]:
     return list(tree.values()) if isinstance(tree, dict) else list(tree)
 
 
-def state_candidates(args: Any) -> list[tuple[tuple[Any, tuple[Any, ...]], Any]]:
+def _candidates(args: Any) -> list[tuple[tuple[Any, tuple[Any, ...]], Any]]:
     """(signature, tree) of each container in `args` (an iterable of arguments)
     reached through plain tuples, lists and dicts."""
     found = []
@@ -108,7 +108,7 @@ def cast_results(out: Any, args: Any, to_output: Any) -> Any:
     >>> y.dtype, new_carry[0].dtype
     (dtype(bfloat16), dtype('float32'))
     """
-    candidates = state_candidates(args)
+    candidates = _candidates(args)
     if not candidates:
         return to_output(out)
 
