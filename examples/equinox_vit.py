@@ -15,7 +15,7 @@ float32 accumulation and the softmax, LayerNorm and loss in float32;
 `eqx.filter_value_and_grad` differentiates it; `jmp_policy.loss_scaled` over
 the `eqx.filter`ed parameters unscales the gradients, skips non-finite steps
 and adjusts the scale; `eqx.apply_updates` applies the update. The parameters
-stay float32 throughout. Needs equinox and scikit-learn.
+stay float32 throughout. Needs equinox and scikit-learn (`pip install '.[equinox]'`).
 
 Usage::
 
