@@ -339,3 +339,17 @@ def test_integer_leaves_are_not_scaled():
     assert float(theirs["loss"]) == float(ours["loss"]) == 2.0
     assert theirs["count"].dtype == jnp.float32 and theirs["n"] == 12.0
     assert ours["count"].dtype == jnp.int32 and ours["count"].tolist() == [0, 1] and ours["n"] == 3
+
+
+def test_select_tree_keeps_shared_non_array_leaves():
+    """jmp passes every leaf to `lax.select`: a function (an Equinox module's
+    activation) fails, a Python scalar flag comes back as an array. jmp_policy
+    keeps a leaf that `a` and `b` share and that is no array; arrays are selected."""
+    a, b = (jnp.ones(2), jnp.tanh, 0.5, True), (jnp.zeros(2), jnp.tanh, 0.5, True)
+    with pytest.raises(TypeError):
+        real_jmp.select_tree(jnp.bool_(True), a, b)
+    theirs = real_jmp.select_tree(jnp.bool_(True), a[::2], b[::2])
+    assert isinstance(theirs[1], jax.Array)
+    w, act, p, flag = jmp_policy.select_tree(jnp.bool_(False), a, b)
+    np.testing.assert_array_equal(w, b[0])
+    assert act is jnp.tanh and type(p) is float and flag is True

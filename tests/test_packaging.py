@@ -29,7 +29,7 @@ import jmp_policy
 import jmp_policy.nnx
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-OPTIONAL = ("flax", "matplotlib", "sklearn", "tqdm")
+OPTIONAL = ("flax", "matplotlib", "sklearn", "tqdm", "equinox", "jaxtyping")
 
 
 def _env() -> dict[str, str]:
@@ -39,7 +39,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-def test_core_step_imports_no_flax_matplotlib_sklearn_tqdm():
+def test_core_step_imports_no_optional_package():
     code = textwrap.dedent(
         f"""
         import json, sys

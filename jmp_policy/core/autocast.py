@@ -59,6 +59,7 @@ from jmp_policy.core.matmul import (
     widest,
 )
 from jmp_policy.core.policy import Policy, get_policy
+from jmp_policy.core.state import cast_results
 
 # Matmuls and convolutions: half operands, float32 accumulation.
 HALF_PRIMITIVES: frozenset[str] = frozenset({"dot_general", "conv_general_dilated"})
@@ -286,10 +287,22 @@ def _trace_and_eval(fn, args, rules):
             full[i] = x
         return fn(*jax.tree.unflatten(treedef, full))
 
+    # Only array results go through the traced program; the others (an
+    # Equinox module's activation function, a Python scalar) are constants of
+    # the trace and come back as they were returned.
+    out_leaves: list[Any] = []
+    out_tree: list[Any] = []
+
+    def traced_fn(*values):
+        results, tree = jax.tree.flatten(flat_fn(*values))
+        out_leaves[:], out_tree[:] = results, [tree]
+        return [x for x in results if isinstance(x, arrays)]
+
     values = [leaves[i] for i in dynamic]
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*values)
-    outs = _eval(closed.jaxpr, closed.consts, values, rules)
-    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+    closed = jax.make_jaxpr(traced_fn)(*values)
+    outs = iter(_eval(closed.jaxpr, closed.consts, values, rules))
+    full = [next(outs) if isinstance(x, arrays) else x for x in out_leaves]
+    return jax.tree.unflatten(out_tree[0], full)
 
 
 def _known_primitive_names() -> frozenset[str]:
@@ -381,7 +394,11 @@ def autocast(
     linen or NNX, Equinox), in the spirit of `torch.autocast`: see the module
     docstring for the rules. Arrays keep the dtypes they are given (storage is
     `Policy.cast_to_param`'s job); only the operations are rewritten, and the
-    floating results are cast to `policy.output_dtype`. `param_dtype` is not
+    floating results are cast to `policy.output_dtype`, except state: a part
+    of the result with the structure and shapes of a container among the
+    arguments (an Equinox `State`, a carry, a module) comes back in that
+    argument's dtypes (`jmp_policy.core.state`). Non-array results (an
+    Equinox module's activation) come back as returned. `param_dtype` is not
     used. Array arguments are traced, anything else is static. Each call traces
     `fn` again, so call it under `jax.jit`.
 
@@ -452,7 +469,10 @@ def autocast(
         for handler in _STATE_HANDLERS:
             outs = handler(run, fn, args, kwargs)
             if outs is not NotImplemented:
-                return policy.cast_to_output(outs)
-        return policy.cast_to_output(run(fn, args, kwargs))
+                break
+        else:
+            outs = run(fn, args, kwargs)
+        # State returned updated keeps its dtypes; results take the output dtype.
+        return cast_results(outs, (*args, *kwargs.values()), policy.cast_to_output)
 
     return wrapped

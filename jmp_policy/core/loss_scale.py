@@ -459,17 +459,60 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     return finite
 
 
+_ARRAYS = (jax.Array, np.ndarray, np.generic)
+
+
+def _same(x: Any, y: Any) -> bool:
+    if x is y:
+        return True
+    try:
+        return type(x) is type(y) and bool(x == y)
+    except Exception:  # An object whose `==` is not a bool.
+        return False
+
+
 def select_tree(pred: jax.Array, a: T, b: T) -> T:
     """Selects pytree `a` where the boolean scalar `pred` is True, else `b`.
+
+    Array leaves are selected (`lax.select`). A leaf that is the same in `a`
+    and `b` (the same object, or an equal Python scalar, function or string,
+    such as an Equinox module's activation or its `Dropout`'s `inference`
+    flag) comes back unchanged.
+
+    Args:
+      pred: a boolean scalar (traced or concrete).
+      a: the pytree to return where `pred` is True.
+      b: a pytree of the same structure, returned where `pred` is False.
+
+    Returns:
+      A pytree of the structure of `a`.
 
     Raises:
       ExpectedScalarError: (a `ValueError` and an `AssertionError`) if `pred`
         is not a boolean scalar.
+      TypeError: if `a` and `b` differ in a leaf that is no array or number
+        (it cannot be chosen by a traced `pred`).
 
     >>> import jax.numpy as jnp
     >>> import jmp_policy as jmp
     >>> jmp.select_tree(jnp.bool_(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
     {'w': Array([0., 0.], dtype=float32)}
+    >>> w, act = jmp.select_tree(jnp.bool_(True), (jnp.ones(1), jnp.tanh), (jnp.zeros(1), jnp.tanh))
+    >>> w, act is jnp.tanh
+    (Array([1.], dtype=float32), True)
     """
     _check_bool_scalar(pred, "pred")
-    return jax.tree.map(functools.partial(jax.lax.select, pred), a, b)
+
+    def select(path: Any, x: Any, y: Any) -> Any:
+        if _same(x, y) and not (isinstance(x, _ARRAYS) or isinstance(y, _ARRAYS)):
+            return x  # A Python scalar, function, string...: nothing to select.
+        if _is_array_like(x) and _is_array_like(y):
+            return jax.lax.select(pred, x, y)
+        raise TypeError(
+            f"select_tree: a and b differ at {jax.tree_util.keystr(path)} in a leaf that "
+            f"is not an array ({x!r} and {y!r}): only arrays and numbers can be selected "
+            "by a traced predicate. Select the arrays only (e.g. "
+            "eqx.filter(tree, eqx.is_array)) and combine them with the rest."
+        )
+
+    return jax.tree_util.tree_map_with_path(select, a, b)
