@@ -356,9 +356,10 @@ def fp8_dot_general(
     rows' precision alone; backward, the output gradient is scaled per row for
     `d lhs` and per column for `d rhs`, and each operand along its
     forward-contracted dimensions, so that every product's scales stay
-    outside its sum. It costs two more amax reductions in the backward pass,
-    and on GPU the per-row rescale of the result is an epilogue outside
-    cuBLASLt's per-tensor-scaled FP8 GEMM.
+    outside its sum. It costs three more amax reductions per product (six
+    against three: the output gradient twice, each operand again in the
+    backward pass), and on GPU the per-row rescale of the result is an
+    epilogue outside cuBLASLt's per-tensor-scaled FP8 GEMM.
 
     Errors: e4m3 keeps 3 mantissa bits, a relative rounding error of at most
     2^-4 per operand element; e5m2 2^-3. Operands whose scaled values are
