@@ -140,18 +140,18 @@ def test_fp8_benchmark_jmp_columns(fp8_table):
     table, text = fp8_table
     for name in ("jmp tensor", "jmp rowwise"):
         col = table[name]
-        assert col["FP8 dots fwd / bwd / other"] == "3 / 5 / 0", text
-        assert col["extra state: arrays (bytes)"] == "0 (0)"
+        assert col["MLP: FP8 dots fwd / bwd / other"] == "3 / 5 / 0", text
+        assert col["MLP: extra state arrays (bytes)"] == "0 (0)"
         assert abs(float(col["MLP: loss - float32"])) < 0.01
-        assert col["NaN batch (loss_scaled)"] == "skipped, recovers"
-        assert col["all-zero batch"] == "ok, recovers"
+        assert col["MLP: NaN batch (loss_scaled)"] == "skipped, recovers"
+        assert col["MLP: all-zero batch"] == "ok, recovers"
         for row in ("inputs x1e-06", "inputs x1e-20", "gradients x1e-15"):
-            assert float(col[row]) < 0.1, (row, text)
+            assert float(col[f"MLP: {row}"]) < 0.1, (row, text)
         assert all(line.rstrip() == line for line in text.splitlines())
     # Per tensor one outlier of 1e6 flushes the other rows; per row it does not.
-    assert float(table["jmp tensor"]["outlier 1e+06: other rows"]) == 1.0
+    assert float(table["jmp tensor"]["MLP: outlier 1e+06: other rows"]) == 1.0
     for outlier in ("1e+04", "1e+05", "1e+06"):
-        assert float(table["jmp rowwise"][f"outlier {outlier}: other rows"]) < 0.1
+        assert float(table["jmp rowwise"][f"MLP: outlier {outlier}: other rows"]) < 0.1
 
 
 def test_fp8_benchmark_peers_when_installed_and_skips_a_missing_one(fp8_table):
@@ -160,9 +160,9 @@ def test_fp8_benchmark_peers_when_installed_and_skips_a_missing_one(fp8_table):
     assert "absent peer" not in table and "absent peer" not in text.splitlines()[0]
     for name in ("qwix qt", "flax fp8"):
         if name in table:  # installed
-            assert table[name]["FP8 dots fwd / bwd / other"] == "3 / 5 / 0", text
-            assert table[name]["NaN batch (loss_scaled)"].startswith("skipped, recovers")
+            assert table[name]["MLP: FP8 dots fwd / bwd / other"] == "3 / 5 / 0", text
+            assert table[name]["MLP: NaN batch (loss_scaled)"].startswith("skipped, recovers")
     if "flax fp8" in table:
         # Delayed scaling keeps amax histories: 6 arrays per Dense (1024 + 1 floats
         # for the input, the kernel and the output gradient), 3 Dense.
-        assert table["flax fp8"]["extra state: arrays (bytes)"] == "18 (36,900)"
+        assert table["flax fp8"]["MLP: extra state arrays (bytes)"] == "18 (36,900)"
