@@ -83,6 +83,16 @@ def test_bad_fp8_scaling_is_value_error(value):
         jmp.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 4)), DIMS, scaling=value)
 
 
+def test_rowwise_as_a_matmul_dtype_points_to_the_field():
+    with pytest.raises(TypeError, match="fp8_scaling='rowwise'"):
+        jmp.Policy(F32, BF16, F32, "f8_rowwise")
+
+
+def test_fp8_dot_general_shape_mismatch_names_the_dimensions():
+    with pytest.raises(TypeError, match=r"fp8_dot_general: lhs of shape \(2, 3\) and rhs"):
+        jmp.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((4, 5)), DIMS, scaling="rowwise")
+
+
 def test_rowwise_without_fp8_matmul_is_value_error():
     for matmul in (None, BF16):
         with pytest.raises(ValueError, match="needs the FP8 matmul dtype"):

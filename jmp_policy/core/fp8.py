@@ -46,6 +46,7 @@ from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.matmul import (
     F32,
     _accumulate_in_float32,
+    _check_shapes,
     _result_dtype,
     cast,
     dot_product,
@@ -380,8 +381,9 @@ def fp8_dot_general(
 
     Raises:
       ValueError: if `scaling` is not `"tensor"` or `"rowwise"`.
-      TypeError: under forward-mode differentiation of the product
-        (`jax.jvp`, `jax.jacfwd`).
+      TypeError: if the operands' shapes do not fit `dimension_numbers`
+        (naming the dimensions, as `lax.dot_general` does); under
+        forward-mode differentiation of the product (`jax.jvp`, `jax.jacfwd`).
 
     >>> import jax, jax.numpy as jnp
     >>> from jmp_policy import fp8_dot_general
@@ -402,5 +404,9 @@ def fp8_dot_general(
         return lax.dot_general(lhs, rhs, dims, precision, preferred_element_type,
                                out_sharding=out_sharding)  # fmt: skip
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    _check_shapes(
+        lambda a, b: lax.dot_general(a, b, dims, precision, preferred_element_type),
+        lhs, rhs, "fp8_dot_general",
+    )  # fmt: skip
     out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
     return fp8_product(lhs, rhs, dims, out_dtype, scaling, precision, out_sharding)

@@ -54,6 +54,7 @@ _NAME_TO_MATMUL = {n: d for d, names in _MATMUL_NAMES.items() for n in names}
 _FP8 = np.dtype(jnp.float8_e4m3fn)
 # An FP8 name with this suffix (`m=f8_rowwise`): row-wise scaling.
 _ROWWISE = "_rowwise"
+_ACCEPTED_MATMUL_DTYPES = ", ".join([*_NAME_TO_MATMUL, "half"])
 _ACCEPTED_MATMUL = ", ".join(
     [*_NAME_TO_MATMUL, "half", *(n + _ROWWISE for n in _MATMUL_NAMES[_FP8])]
 )
@@ -116,7 +117,12 @@ def _to_matmul_dtype(value: Any) -> np.dtype | None:
     if dtype not in _MATMUL_NAMES:
         raise TypeError(
             "Policy.matmul_dtype must be None, bfloat16, float16 or float8_e4m3fn (a "
-            f"dtype or one of the names {_ACCEPTED_MATMUL}), got {value!r}."
+            f"dtype or one of the names {_ACCEPTED_MATMUL_DTYPES}), got {value!r}"
+            + (
+                "; row-wise FP8 scaling is the field fp8_scaling='rowwise'."
+                if isinstance(value, str) and value.endswith(_ROWWISE)
+                else "."
+            )
         )
     return dtype
 
