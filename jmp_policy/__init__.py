@@ -29,7 +29,7 @@ from jmp_policy.core.loss_scale import select_tree
 from jmp_policy.core.loss_scaled import LossScaledState
 from jmp_policy.core.loss_scaled import get_loss_scale
 from jmp_policy.core.loss_scaled import loss_scaled
-from jmp_policy.core.matmul import fp8_dot_general
+from jmp_policy.core.fp8 import fp8_dot_general
 from jmp_policy.core.matmul import half_conv_general_dilated
 from jmp_policy.core.matmul import half_dot_general
 from jmp_policy.core.policy import Policy

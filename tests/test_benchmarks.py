@@ -132,3 +132,58 @@ def test_cpu_dot_benchmark_compares_the_cpu_form_with_the_dot_as_written():
     np.testing.assert_allclose(jax.device_get(cpu()), jax.device_get(f32()), rtol=2e-2, atol=0.5)
     f32, written, cpu = (cpu_dot.ready(b) for b in cases["dense dw [T,K]x[T,N]"])
     np.testing.assert_array_equal(jax.device_get(cpu()), jax.device_get(written()))
+
+
+# --- fp8 --quick ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8_table():
+    """`fp8 --quick` with an uninstalled peer added: `({variant: {row: cell}}, text)`."""
+    from jmp_policy.app.benchmarks import fp8
+
+    absent = fp8.Variant("absent peer", "no-such-distribution-jmp-policy", fp8._qwix)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fp8, "VARIANTS", [*fp8.VARIANTS, absent])
+        columns, rows, notes = fp8.measure(quick=True)
+    text = fp8.format_table(columns, rows, notes)
+    # Columns are "name version" for the peers: keyed by name.
+    by_variant = {
+        next(v.name for v in fp8.VARIANTS if col.startswith(v.name)) if col != "float32" else col: {
+            row: cells.get(col, "") for row, cells in rows.items()
+        }
+        for col in columns
+    }
+    return by_variant, text
+
+
+def test_fp8_benchmark_jmp_columns(fp8_table):
+    table, text = fp8_table
+    for name in ("jmp tensor", "jmp rowwise"):
+        col = table[name]
+        assert col["MLP: FP8 dots fwd / bwd / other"] == "3 / 5 / 0", text
+        assert col["MLP: extra state arrays (bytes)"] == "0 (0)"
+        assert abs(float(col["MLP: loss - float32"])) < 0.01
+        assert col["MLP: NaN batch (loss_scaled)"] == "skipped, recovers"
+        assert col["MLP: all-zero batch"] == "ok, recovers"
+        for row in ("inputs x1e-06", "inputs x1e-20", "gradients x1e-15"):
+            assert float(col[f"MLP: {row}"]) < 0.1, (row, text)
+        assert all(line.rstrip() == line for line in text.splitlines())
+    # Per tensor one outlier of 1e6 flushes the other rows; per row it does not.
+    assert float(table["jmp tensor"]["MLP: outlier 1e+06: other rows"]) == 1.0
+    for outlier in ("1e+04", "1e+05", "1e+06"):
+        assert float(table["jmp rowwise"][f"MLP: outlier {outlier}: other rows"]) < 0.1
+
+
+def test_fp8_benchmark_peers_when_installed_and_skips_a_missing_one(fp8_table):
+    table, text = fp8_table
+    assert "note: absent peer: skipped (no-such-distribution-jmp-policy is not installed)" in text
+    assert "absent peer" not in table and "absent peer" not in text.splitlines()[0]
+    for name in ("qwix qt", "flax fp8"):
+        if name in table:  # installed
+            assert table[name]["MLP: FP8 dots fwd / bwd / other"] == "3 / 5 / 0", text
+            assert table[name]["MLP: NaN batch (loss_scaled)"].startswith("skipped, recovers")
+    if "flax fp8" in table:
+        # Delayed scaling keeps amax histories: 6 arrays per Dense (1024 + 1 floats
+        # for the input, the kernel and the output gradient), 3 Dense.
+        assert table["flax fp8"]["MLP: extra state arrays (bytes)"] == "18 (36,900)"

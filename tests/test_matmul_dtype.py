@@ -36,7 +36,7 @@ from jax import lax
 import jmp_policy as jmp
 import jmp_policy.nnx as jnnx
 from jmp_policy.app.benchmarks.transformer import make_train_step
-from jmp_policy.core.matmul import E4M3_MAX, E5M2_MAX, fp8_scale
+from jmp_policy.core.fp8 import E4M3_MAX, E5M2_MAX, fp8_scale
 
 from helpers import load_script
 
@@ -179,10 +179,11 @@ def test_transformer_m_bf16_every_dot_half_operands_f32_result(lm, lm_setup, tra
     assert sum(counts.values()) == 3 * LM_FORWARD_DOTS  # forward, d lhs, d rhs
 
 
+@pytest.mark.parametrize("policy", ["mixed_float8", "mixed_float8_rowwise"])
 @pytest.mark.parametrize("transform", ["with_policy", "autocast"])
-def test_transformer_mixed_float8_every_dot_fp8(lm, lm_setup, transform):
+def test_transformer_mixed_float8_every_dot_fp8(lm, lm_setup, transform, policy):
     model, params, tx, opt_state, batch = lm_setup
-    apply = getattr(jmp, transform)(model.apply, "mixed_float8")
+    apply = getattr(jmp, transform)(model.apply, policy)
     counts = dot_types(lowered_train_step(lm, apply, params, tx, opt_state, batch))
     assert assert_fp8(counts) == LM_FORWARD_DOTS
 
@@ -259,6 +260,7 @@ def test_nnx_m_bf16_every_dot_half_operands_f32_result():
 
 def test_nnx_mixed_float8_every_dot_fp8_and_rule_keeps_head_out():
     assert assert_fp8(nnx_dot_types("mixed_float8")) == NNX_FORWARD_DOTS
+    assert assert_fp8(nnx_dot_types("mixed_float8_rowwise")) == NNX_FORWARD_DOTS
     counts = nnx_dot_types("mixed_float8", rules={"head": "mixed_bfloat16"})
     assert assert_fp8(counts, kept_out=3) == NNX_FORWARD_DOTS - 1
 
@@ -305,10 +307,10 @@ def _error_bound(x, u, tiny, fp8_max):
     return u * np.abs(np.asarray(x, np.float64)) + scale * tiny
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _fp8_and_reference(dims, x, w, g):
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _fp8_and_reference(dims, x, w, g, scaling="tensor"):
     """`(y, (dx, dw))` of fp8_dot_general and of the float32 product, for cotangent `g`."""
-    y, vjp = jax.vjp(lambda x, w: jmp.fp8_dot_general(x, w, dims), x, w)
+    y, vjp = jax.vjp(lambda x, w: jmp.fp8_dot_general(x, w, dims, scaling=scaling), x, w)
     ref, ref_vjp = jax.vjp(lambda x, w: lax.dot_general(x, w, dims, lax.Precision.HIGHEST), x, w)
     return (y, vjp(g)), (ref, ref_vjp(g))
 
@@ -333,8 +335,9 @@ def _product_bound(a, b, da, db, dims):
     )
 
 
+@pytest.mark.parametrize("scaling", ["tensor", "rowwise"])
 @pytest.mark.parametrize("case", CASES, ids=["matmul", "batched", "transposed", "attention"])
-def test_fp8_error_within_rounding_bounds(case):
+def test_fp8_error_within_rounding_bounds(case, scaling):
     """The error bounds, derived.
 
     Per element: the scale is a power of two, so x / s is exact and the only
@@ -350,13 +353,14 @@ def test_fp8_error_within_rounding_bounds(case):
     w_kj)², so ||Ŷ - Y||_F / ||Y||_F <~ sqrt(u_a² + u_b²): sqrt(2) 2^-4 = 0.088
     forward (e4m3 x e4m3) and sqrt(2^-6 + 2^-8) = 0.140 backward (e5m2 x
     e4m3). Measured: about 0.04 and 0.05 (E δ² is about u²/3, not u²).
+    Row-wise scales are at most the tensor's, so its bounds hold for them.
     """
     lhs_shape, rhs_shape, dims = case
     rng = np.random.default_rng(0)
     x, w = _normal(rng, lhs_shape), _normal(rng, rhs_shape)
     out_shape = jax.eval_shape(lambda x, w: lax.dot_general(x, w, dims), x, w).shape
     g = _normal(rng, out_shape)
-    (y, (gx, gw)), (ref, (rx, rw)) = _fp8_and_reference(dims, x, w, g)
+    (y, (gx, gw)), (ref, (rx, rw)) = _fp8_and_reference(dims, x, w, g, scaling)
     assert y.dtype == F32
     dx_, dw_ = (
         _error_bound(x, U_E4M3, TINY_E4M3, E4M3_MAX),
@@ -384,8 +388,9 @@ def test_fp8_error_within_rounding_bounds(case):
         assert (np.abs(np.asarray(gw, np.float64) - np.asarray(rw, np.float64)) <= bound).all()
 
 
+@pytest.mark.parametrize("scaling", ["tensor", "rowwise"])
 @pytest.mark.parametrize("case", CASES, ids=["matmul", "batched", "transposed", "attention"])
-def test_fp8_exact_on_fp8_numbers(case):
+def test_fp8_exact_on_fp8_numbers(case, scaling):
     """Integers up to 16 are e4m3 numbers (4 significant bits), up to 8 e5m2
     ones; times any power of two (the scale is one), the products are exact."""
     lhs_shape, rhs_shape, dims = case
@@ -397,7 +402,7 @@ def test_fp8_exact_on_fp8_numbers(case):
         x = _integers(rng, lhs_shape, 16) * 2.0**power
         w = _integers(rng, rhs_shape, 16) * 2.0**-3
         g = _integers(rng, out_shape, 8) * 2.0**-power
-        (y, grads), (ref, ref_grads) = _fp8_and_reference(dims, x, w, g)
+        (y, grads), (ref, ref_grads) = _fp8_and_reference(dims, x, w, g, scaling)
         np.testing.assert_array_equal(y, ref)
         for got, want in zip(grads, ref_grads):
             np.testing.assert_array_equal(got, want)
@@ -420,14 +425,17 @@ def test_fp8_dot_general_dtypes_and_fallbacks():
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
-def test_fp8_non_finite_operand_propagates(bad):
+@pytest.mark.parametrize("scaling", ["tensor", "rowwise"])
+def test_fp8_non_finite_operand_propagates(bad, scaling):
     dims = (((1,), (0,)), ((), ()))
     x = jnp.ones((4, 8)).at[1, 2].set(bad)
-    y = jmp.fp8_dot_general(x, jnp.ones((8, 3)), dims)
+    y = jmp.fp8_dot_general(x, jnp.ones((8, 3)), dims, scaling=scaling)
     assert not np.isfinite(np.asarray(y)).all()
     # A non-finite output gradient reaches both cotangents.
     _, vjp = jax.vjp(
-        lambda x, w: jmp.fp8_dot_general(x, w, dims), jnp.ones((4, 8)), jnp.ones((8, 3))
+        lambda x, w: jmp.fp8_dot_general(x, w, dims, scaling=scaling),
+        jnp.ones((4, 8)),
+        jnp.ones((8, 3)),
     )
     gx, gw = vjp(jnp.ones((4, 3)).at[0, 0].set(bad))
     assert not np.isfinite(np.asarray(gx)).all() and not np.isfinite(np.asarray(gw)).all()
@@ -452,15 +460,16 @@ class Mlp(nn.Module):
         return nn.Dense(4)(nn.relu(nn.Dense(16)(x)))
 
 
+@pytest.mark.parametrize("policy", ["mixed_float8", "mixed_float8_rowwise"])
 @pytest.mark.parametrize("bad", [np.inf, np.nan])
-def test_injected_non_finite_activation_skips_the_step(bad):
+def test_injected_non_finite_activation_skips_the_step(bad, policy):
     model = Mlp()
     rng = np.random.default_rng(2)
     x, y = _normal(rng, (8, 5)), _normal(rng, (8, 4))
-    params = jmp.with_policy(model.init, "mixed_float8")(jax.random.key(2), x)["params"]
+    params = jmp.with_policy(model.init, policy)(jax.random.key(2), x)["params"]
     tx = jmp.loss_scaled(optax.sgd(0.1, momentum=0.9), jmp.DynamicLossScale(2.0**15))
     opt_state = tx.init(params)
-    apply = jmp.with_policy(model.apply, "mixed_float8")
+    apply = jmp.with_policy(model.apply, policy)
 
     @jax.jit
     def step(params, opt_state, x):

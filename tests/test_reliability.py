@@ -699,7 +699,11 @@ _SPEC_TYPOS = [
     ("p=f32,c=bf16,o=f23", "'f23'", "accepted dtype names are bf16"),
     ("param=f32", "'param'", "accepted keys are p, params"),
     ("p=f32;c=bf16", "'p=f32;c=bf16'", "each part must be key=dtype"),
-    ("p:f32", "'p:f32'", "a preset (mixed_bfloat16, mixed_float16, mixed_float8)"),
+    (
+        "p:f32",
+        "'p:f32'",
+        "a preset (mixed_bfloat16, mixed_float16, mixed_float8, mixed_float8_rowwise)",
+    ),
 ]
 
 

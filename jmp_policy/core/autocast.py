@@ -48,12 +48,12 @@ import jax
 import numpy as np
 
 from jmp_policy.core import jax_internals as ji
-from jmp_policy.core.matmul import E4M3 as _E4M3
+from jmp_policy.core.fp8 import E4M3 as _E4M3
+from jmp_policy.core.fp8 import fp8_product
 from jmp_policy.core.matmul import F32 as _F32
 from jmp_policy.core.matmul import (
     accumulating_product,
     cast,
-    fp8_product,
     is_float,
     product_of,
     widest,
@@ -109,6 +109,8 @@ class _Rules:
     # The policy's matmul dtype: every dot_general takes its product (None:
     # the compute dtype, as above).
     matmul_dtype: np.dtype | None = None
+    # Under an FP8 matmul dtype: "tensor" or "rowwise" scaling.
+    fp8_scaling: str = "tensor"
 
 
 def _as_original(eqn, invals):
@@ -227,7 +229,9 @@ def _matmul_dtype_product(eqn, invals, rules):
     product, out_dtype = product_of(eqn), eqn.outvars[0].aval.dtype
     if rules.products == "vjp":
         if m == _E4M3:
-            return fp8_product(product, lhs, rhs, out_dtype)
+            p = eqn.params
+            return fp8_product(lhs, rhs, p["dimension_numbers"], out_dtype, rules.fp8_scaling,
+                               p["precision"], p.get("out_sharding"))  # fmt: skip
         return accumulating_product(product, lhs, rhs, m, out_dtype)
     if m == _E4M3:
         # Inside a JVP rule JAX transposes the products itself, which an
@@ -357,13 +361,13 @@ def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def matmuls_in(fn: Callable, matmul_dtype: Any) -> Callable:
+def matmuls_in(fn: Callable, matmul_dtype: Any, fp8_scaling: str = "tensor") -> Callable:
     """`fn` with every `dot_general` taking `matmul_dtype`'s product; all else as written.
 
     For code with no `dot_general` hook (NNX's attention einsums): half
-    operands with float32 accumulation, or FP8 (`fp8_dot_general`), forward
-    and backward. Each product keeps the result dtype of the traced program.
-    Array arguments are traced, anything else is static.
+    operands with float32 accumulation, or FP8 (`fp8_dot_general`, with
+    `fp8_scaling`), forward and backward. Each product keeps the result dtype
+    of the traced program. Array arguments are traced, anything else is static.
     """
     rules = _Rules(
         compute_dtype=_F32,
@@ -371,6 +375,7 @@ def matmuls_in(fn: Callable, matmul_dtype: Any) -> Callable:
         float32=frozenset(),
         promote=frozenset(),
         matmul_dtype=np.dtype(matmul_dtype),
+        fp8_scaling=fp8_scaling,
     )
 
     @functools.wraps(fn)
@@ -456,6 +461,7 @@ def autocast(
         float32=_primitive_names(float32_primitives, "float32_primitives"),
         promote=_primitive_names(promote_primitives, "promote_primitives"),
         matmul_dtype=policy.matmul_dtype,
+        fp8_scaling=policy.fp8_scaling,
     )
 
     def run(g, args, kwargs):

@@ -425,6 +425,6 @@ _SHORT_DTYPES = {
     "f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64",
     "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64", "bool": "bool",
     "u8": "uint8", "u32": "uint32", "c64": "complex64", "c128": "complex128",
-    # FP8 operands saved by fp8_dot_general.
+    # FP8 residuals (of FP8 code that saves its FP8 operands).
     "f8_e4m3fn": "float8_e4m3fn", "f8_e5m2": "float8_e5m2",
 }  # fmt: skip

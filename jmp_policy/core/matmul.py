@@ -377,163 +377,22 @@ def half_conv_general_dilated(
     return accumulating_product(product, lhs, rhs, compute, out_dtype)
 
 
-# ------------------------------------------------------------------------ FP8
-
-E4M3 = np.dtype(jnp.float8_e4m3fn)
-E5M2 = np.dtype(jnp.float8_e5m2)
-# The largest finite values: what a tensor's amax is scaled to (at most).
-E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
-E5M2_MAX = float(jnp.finfo(E5M2).max)  # 57344
-
-
-def fp8_scale(x: jax.Array, fp8_max: float) -> jax.Array:
-    """The per-tensor scale of `x` for an FP8 format: a float32 power of two.
-
-    The smallest power of two `s >= amax(|x|) / fp8_max`, so `x / s` fits the
-    format and dividing by it is exact (the only error is the FP8 rounding).
-    1 where `x` is all zeros. A non-finite amax is kept as the scale (never
-    clipped): the product is multiplied by it, so an inf or NaN in `x` makes
-    the result non-finite and `loss_scaled` skips the step.
-    """
-    v = jnp.max(jnp.abs(x.astype(F32))) / np.float32(fp8_max)
-    # Round the exponent up unless v is already a power of two (mantissa 0).
-    bits = lax.bitcast_convert_type(v, np.int32)
-    pow2 = lax.bitcast_convert_type((bits + 0x7FFFFF) & 0x7F800000, F32)
-    scale = jnp.where(jnp.isfinite(v), pow2, v)
-    return jnp.where(scale == 0, np.float32(1), scale)
-
-
-def fp8_quantize(x: jax.Array, scale: jax.Array, dtype: np.dtype, fp8_max: float) -> jax.Array:
-    """`x / scale` rounded to the FP8 `dtype`.
-
-    A finite `x / scale` is within +-fp8_max (the scale covers the amax); the
-    clip only guards the float32 rounding at the edge, and keeps NaN (an inf
-    operand has an inf scale, so inf / inf is NaN: non-finite stays so).
-    """
-    scaled = x.astype(F32) / scale
-    # `clip` keeps NaN; a finite x / scale is already within +-fp8_max.
-    return lax.convert_element_type(jnp.clip(scaled, -fp8_max, fp8_max), dtype)
-
-
-def _transposed_products(
-    product: Product, lhs: Any, rhs: Any, g: Any, rule: Callable[[ji.JaxprEqn, list[Any]], Any]
-) -> tuple[Any, Any]:
-    """`(d lhs, d rhs)` of `product(lhs, rhs)` for cotangent `g`, each product run by `rule`.
-
-    JAX's own transpose rules are traced on float32 stand-ins of the operands'
-    shapes (FP8 values cannot be traced through `linear_transpose`), then run
-    on the actual values, each product through `rule`.
-    """
-
-    def transposes(a, b, g):
-        (a_bar,) = jax.linear_transpose(lambda x: product(x, b, None), a)(g)
-        (b_bar,) = jax.linear_transpose(lambda y: product(a, y, None), b)(g)
-        return a_bar, b_bar
-
-    specs = [jax.ShapeDtypeStruct(x.shape, F32) for x in (lhs, rhs, g)]
-    closed = jax.make_jaxpr(transposes)(*specs)
-    lhs_bar, rhs_bar = ji.eval_jaxpr(closed.jaxpr, closed.consts, [lhs, rhs, g], rule)
-    return lhs_bar, rhs_bar
-
-
-def fp8_product(product: Product, lhs: Any, rhs: Any, out_dtype: np.dtype) -> jax.Array:
-    """`product(lhs, rhs)` in FP8 with per-tensor current scaling, both passes.
-
-    Forward: each operand is scaled by its own power-of-two scale to e4m3; the
-    e4m3 operands go into the product directly, accumulating in float32; the
-    result is multiplied by the two scales and cast to `out_dtype`. The e4m3
-    operands and their scales are saved. Backward: the output gradient is
-    scaled to e5m2; each transposed product takes it and a saved e4m3 operand,
-    accumulating in float32; the scales are applied to the float32 results.
-    """
-    lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
-
-    @jax.custom_vjp
-    def f(lhs, rhs):
-        return fwd(lhs, rhs)[0]
-
-    def fwd(lhs, rhs):
-        sl, sr = fp8_scale(lhs, E4M3_MAX), fp8_scale(rhs, E4M3_MAX)
-        ql, qr = fp8_quantize(lhs, sl, E4M3, E4M3_MAX), fp8_quantize(rhs, sr, E4M3, E4M3_MAX)
-        out = product(ql, qr, F32) * (sl * sr)
-        return cast(out, out_dtype), (ql, qr, sl, sr)
-
-    def bwd(res, g):
-        ql, qr, sl, sr = res
-        sg = fp8_scale(g, E5M2_MAX)
-        qg = fp8_quantize(g, sg, E5M2, E5M2_MAX)
-        lhs_bar, rhs_bar = _transposed_products(product, ql, qr, qg, _accumulate_in_float32)
-        # d lhs is linear in (rhs, g), d rhs in (lhs, g): their scales undo the quantisation.
-        return cast(lhs_bar * (sr * sg), lhs_dtype), cast(rhs_bar * (sl * sg), rhs_dtype)
-
-    f.defvjp(fwd, bwd)
-    return f(lhs, rhs)
-
-
-def fp8_dot_general(
-    lhs: jax.typing.ArrayLike,
-    rhs: jax.typing.ArrayLike,
-    dimension_numbers: lax.DotDimensionNumbers,
-    precision: lax.PrecisionLike = None,
-    preferred_element_type: jax.typing.DTypeLike | None = None,
-    *,
-    out_sharding: Any = None,
-) -> jax.Array:
-    """`lax.dot_general` in FP8 (e4m3 forward, e5m2 gradients), float32 accumulation.
-
-    A drop-in for `lax.dot_general` (same arguments and result dtype), e.g. for
-    Flax's `nn.Dense(..., dot_general=fp8_dot_general)`; what a policy with
-    `matmul_dtype=float8_e4m3fn` (`"mixed_float8"`) puts in every layer.
-    Per-tensor current scaling, stateless: each operand is divided by a power
-    of two `s >= amax / 448` (computed from the tensor in this step), rounded
-    to float8_e4m3fn, and the FP8 operands go into `lax.dot_general` directly
-    (`preferred_element_type=float32`, the form XLA's GPU compiler runs as an
-    FP8 GEMM on Hopper); the result is multiplied by the two scales. A
-    `jax.custom_vjp` makes the backward products FP8 too: the output
-    gradient is scaled to float8_e5m2 (max 57344, more range, 2 mantissa
-    bits) and multiplied by the saved e4m3 operands, accumulating in
-    float32. Cotangents come back in the operands' own dtypes.
-
-    Errors: e4m3 keeps 3 mantissa bits, a relative rounding error of at most
-    2^-4 per operand element; e5m2 2^-3. Operands whose scaled values are
-    e4m3 numbers (e.g. small integers times a power of two) multiply exactly.
-    An inf or NaN in an operand or gradient gives a non-finite result (the
-    scale carries it), so `loss_scaled` skips the step. Non-floating
-    operands fall back to `lax.dot_general`.
-
-    `lhs`, `rhs`, `dimension_numbers`, `precision`, `preferred_element_type`
-    and `out_sharding` are as in `lax.dot_general`.
-
-    Returns:
-      The product, in the dtype `lax.dot_general` would give.
-
-    >>> import jax, jax.numpy as jnp
-    >>> from jmp_policy import fp8_dot_general
-    >>> x, w = jnp.full((2, 3), 0.5), jnp.full((3, 4), 3.0)
-    >>> y = fp8_dot_general(x, w, (((1,), (0,)), ((), ())))
-    >>> y.dtype, float(y[0, 0])  # 0.5 and 3 are e4m3 numbers: exact
-    (dtype('float32'), 4.5)
-    >>> g = jax.grad(lambda w: fp8_dot_general(x, w, (((1,), (0,)), ((), ()))).sum())(w)
-    >>> g.dtype, float(g[0, 0])
-    (dtype('float32'), 1.0)
-    """
-    dims = jax.tree.map(int, dimension_numbers)
-    if not (is_float(lhs) and is_float(rhs)):
-        return lax.dot_general(lhs, rhs, dims, precision, preferred_element_type,
-                               out_sharding=out_sharding)  # fmt: skip
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
-    return fp8_product(dot_product(dims, precision, out_sharding), lhs, rhs, out_dtype)
-
-
 @functools.cache
-def matmul_dot_general(matmul_dtype: np.dtype | None) -> Callable | None:
+def matmul_dot_general(
+    matmul_dtype: np.dtype | None, fp8_scaling: str = "tensor"
+) -> Callable | None:
     """The `dot_general` a policy's `matmul_dtype` asks for (None: the layers' own).
 
-    One object per dtype, so that modules given it compare equal across calls.
+    `fp8_scaling` (`"tensor"` or `"rowwise"`) applies to an FP8 matmul dtype.
+    One object per argument pair, so that modules given it compare equal
+    across calls.
     """
     if matmul_dtype is None:
         return None
-    if np.dtype(matmul_dtype) == E4M3:
-        return fp8_dot_general
+    if np.dtype(matmul_dtype) == np.dtype(jnp.float8_e4m3fn):
+        from jmp_policy.core.fp8 import fp8_dot_general  # fp8 builds on this module.
+
+        if fp8_scaling == "tensor":
+            return fp8_dot_general
+        return functools.partial(fp8_dot_general, scaling=fp8_scaling)
     return functools.partial(half_dot_general, compute_dtype=np.dtype(matmul_dtype))

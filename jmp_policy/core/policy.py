@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_policy.core.fp8 import check_scaling
+
 T = TypeVar("T")
 
 # The first name of each dtype is the one `str(policy)` prints (as jmp does).
@@ -39,6 +41,7 @@ _PRESETS = {
     "mixed_bfloat16": "p=f32,c=bf16,o=f32",
     "mixed_float16": "p=f32,c=f16,o=f32",
     "mixed_float8": "p=f32,c=bf16,o=f32,m=f8",
+    "mixed_float8_rowwise": "p=f32,c=bf16,o=f32,m=f8_rowwise",
 }
 # The matmul dtype (`m=`): half operands with float32 accumulation, or FP8
 # (e4m3 forward, e5m2 output gradients). Names only the `m` key accepts.
@@ -48,7 +51,13 @@ _MATMUL_NAMES = {
     np.dtype(jnp.float8_e4m3fn): ("f8", "float8", "float8_e4m3fn"),
 }
 _NAME_TO_MATMUL = {n: d for d, names in _MATMUL_NAMES.items() for n in names}
-_ACCEPTED_MATMUL = ", ".join([*_NAME_TO_MATMUL, "half"])
+_FP8 = np.dtype(jnp.float8_e4m3fn)
+# An FP8 name with this suffix (`m=f8_rowwise`): row-wise scaling.
+_ROWWISE = "_rowwise"
+_ACCEPTED_MATMUL_DTYPES = ", ".join([*_NAME_TO_MATMUL, "half"])
+_ACCEPTED_MATMUL = ", ".join(
+    [*_NAME_TO_MATMUL, "half", *(n + _ROWWISE for n in _MATMUL_NAMES[_FP8])]
+)
 _ACCEPTED_DTYPES = ", ".join([*_NAME_TO_DTYPE, "half"])
 _ACCEPTED_KEYS = ", ".join(_KEYS)
 
@@ -108,7 +117,12 @@ def _to_matmul_dtype(value: Any) -> np.dtype | None:
     if dtype not in _MATMUL_NAMES:
         raise TypeError(
             "Policy.matmul_dtype must be None, bfloat16, float16 or float8_e4m3fn (a "
-            f"dtype or one of the names {_ACCEPTED_MATMUL}), got {value!r}."
+            f"dtype or one of the names {_ACCEPTED_MATMUL_DTYPES}), got {value!r}"
+            + (
+                "; row-wise FP8 scaling is the field fp8_scaling='rowwise'."
+                if isinstance(value, str) and value.endswith(_ROWWISE)
+                else "."
+            )
         )
     return dtype
 
@@ -156,10 +170,16 @@ class Policy:
         operands forward and an e5m2 output gradient backward, float32
         accumulation (`fp8_dot_general`). Convolutions run in the compute
         dtype under an FP8 policy.
+      fp8_scaling: under an FP8 `matmul_dtype`, `"tensor"` (the default: one
+        scale per operand) or `"rowwise"` (one per row along the dimensions a
+        product does not contract, so an outlier only coarsens its own row);
+        spelt `m=f8_rowwise` in a spec (preset `mixed_float8_rowwise`).
 
     Raises:
       TypeError: if a dtype is not a floating dtype, or `matmul_dtype` is not
         None or one of the matmul dtypes above.
+      ValueError: if `fp8_scaling` is not `"tensor"` or `"rowwise"`, or is
+        `"rowwise"` without an FP8 `matmul_dtype`.
 
     >>> import jax.numpy as jnp
     >>> import jmp_policy as jmp
@@ -174,12 +194,20 @@ class Policy:
     compute_dtype: np.dtype
     output_dtype: np.dtype
     matmul_dtype: np.dtype | None = None
+    fp8_scaling: str = "tensor"
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             dtype = _to_float_dtype(getattr(self, field), field)
             object.__setattr__(self, field, dtype)
         object.__setattr__(self, "matmul_dtype", _to_matmul_dtype(self.matmul_dtype))
+        check_scaling(self.fp8_scaling, "Policy.fp8_scaling")
+        if self.fp8_scaling != "tensor" and self.matmul_dtype != _FP8:
+            raise ValueError(
+                f"Policy.fp8_scaling={self.fp8_scaling!r} needs the FP8 matmul dtype "
+                f"(matmul_dtype=float8_e4m3fn, spec m=f8{_ROWWISE}), got matmul_dtype="
+                f"{self.matmul_dtype}; with another matmul dtype fp8_scaling must be 'tensor'."
+            )
 
     def cast_to_param(self, x: T) -> T:
         """Casts the floating point arrays of a pytree to the param dtype."""
@@ -208,11 +236,24 @@ class Policy:
     def with_matmul_dtype(self, matmul_dtype: Any) -> Policy:
         """Returns a copy of this policy with another matmul dtype (None: the compute dtype).
 
+        A matmul dtype other than FP8 drops the FP8 scaling (back to "tensor").
+
         >>> import jmp_policy as jmp
         >>> str(jmp.get_policy("mixed_bfloat16").with_matmul_dtype("f8"))
         'p=full,c=bf16,o=full,m=f8'
         """
-        return dataclasses.replace(self, matmul_dtype=matmul_dtype)
+        fp8 = _to_matmul_dtype(matmul_dtype) == _FP8
+        scaling = self.fp8_scaling if fp8 else "tensor"
+        return dataclasses.replace(self, matmul_dtype=matmul_dtype, fp8_scaling=scaling)
+
+    def with_fp8_scaling(self, fp8_scaling: str) -> Policy:
+        """Returns a copy of this policy with another FP8 scaling ("tensor" or "rowwise").
+
+        >>> import jmp_policy as jmp
+        >>> str(jmp.get_policy("mixed_float8").with_fp8_scaling("rowwise"))
+        'p=full,c=bf16,o=full,m=f8_rowwise'
+        """
+        return dataclasses.replace(self, fp8_scaling=fp8_scaling)
 
     def __str__(self) -> str:
         p, c, o = (
@@ -220,7 +261,8 @@ class Policy:
         )
         if self.matmul_dtype is None:
             return f"p={p},c={c},o={o}"  # jmp's form, for every jmp policy.
-        return f"p={p},c={c},o={o},m={_MATMUL_NAMES[self.matmul_dtype][0]}"
+        m = _MATMUL_NAMES[self.matmul_dtype][0]
+        return f"p={p},c={c},o={o},m={m}{_ROWWISE if self.fp8_scaling == 'rowwise' else ''}"
 
 
 def _parse_dtype(value: str) -> np.dtype:
@@ -232,6 +274,14 @@ def _parse_dtype(value: str) -> np.dtype:
         raise ValueError(
             f"Unknown dtype {value!r}: accepted dtype names are {_ACCEPTED_DTYPES}."
         ) from None
+
+
+def _parse_matmul(value: str) -> tuple[np.dtype, str]:
+    """`(matmul dtype, FP8 scaling)` of an `m=` value such as 'bf16' or 'f8_rowwise'."""
+    name = value.removesuffix(_ROWWISE)
+    if name != value and _NAME_TO_MATMUL.get(name) == _FP8:
+        return _FP8, "rowwise"
+    return _parse_matmul_dtype(value), "tensor"
 
 
 def _parse_matmul_dtype(value: str) -> np.dtype:
@@ -252,9 +302,11 @@ def get_policy(spec: str | Policy) -> Policy:
     `mixed_float16`) or comma-separated `key=dtype` parts with keys
     `p`/`params`, `c`/`compute`, `o`/`output`, `m`/`matmul`. Params default
     to float32, compute follows params and output follows compute; the
-    matmul dtype (`bf16`, `f16`, or `f8` = float8_e4m3fn) is None unless
-    given. Presets: `mixed_float8` is `p=f32,c=bf16,o=f32,m=f8`. White space around
-    `,` and `=` is ignored. A `Policy` is returned unchanged.
+    matmul dtype (`bf16`, `f16`, or `f8` = float8_e4m3fn; `f8_rowwise` for
+    FP8 with row-wise scaling) is None unless given. Presets: `mixed_float8`
+    is `p=f32,c=bf16,o=f32,m=f8`, `mixed_float8_rowwise`
+    `p=f32,c=bf16,o=f32,m=f8_rowwise`. White space around `,` and `=` is
+    ignored. A `Policy` is returned unchanged.
 
     Args:
       spec: the spec string, e.g. `"p=f32,c=bf16,o=f32"`, or a `Policy`.
@@ -274,6 +326,8 @@ def get_policy(spec: str | Policy) -> Policy:
     True
     >>> str(jmp.get_policy("mixed_float8"))
     'p=full,c=bf16,o=full,m=f8'
+    >>> jmp.get_policy("mixed_float8_rowwise").fp8_scaling
+    'rowwise'
     """
     if isinstance(spec, Policy):
         return spec
@@ -295,6 +349,7 @@ def get_policy(spec: str | Policy) -> Policy:
         return Policy(dtype, dtype, dtype)
     dtypes: dict[str, np.dtype] = {}
     given: dict[str, str] = {}
+    scaling = "tensor"
     for part in text.split(","):
         key, sep, value = (s.strip() for s in part.partition("="))
         if not sep or "=" in value or not key or not value:
@@ -317,12 +372,14 @@ def get_policy(spec: str | Policy) -> Policy:
                 "output (o/output) and matmul (m/matmul) at most once."
             )
         given[field] = part.strip()
-        parse = _parse_matmul_dtype if field == "matmul_dtype" else _parse_dtype
-        dtypes[field] = parse(value)
+        if field == "matmul_dtype":
+            dtypes[field], scaling = _parse_matmul(value)
+        else:
+            dtypes[field] = _parse_dtype(value)
     param = dtypes.get("param_dtype", np.dtype(np.float32))
     compute = dtypes.get("compute_dtype", param)
     output = dtypes.get("output_dtype", compute)
-    return Policy(param, compute, output, dtypes.get("matmul_dtype"))
+    return Policy(param, compute, output, dtypes.get("matmul_dtype"), scaling)
 
 
 def cast_to_full(tree: T) -> T:

@@ -99,14 +99,14 @@ def _attribute_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
 
 def _attention_fn_with(attention_fn: Callable, policy: Policy) -> Callable:
     """`attention_fn` with its two einsums taking the policy's matmul dtype."""
-    dot_general = matmul_dot_general(policy.matmul_dtype)
+    dot_general = matmul_dot_general(policy.matmul_dtype, policy.fp8_scaling)
     try:
         takes_dot_general = "einsum_dot_general" in inspect.signature(attention_fn).parameters
     except (TypeError, ValueError):
         takes_dot_general = False
     if takes_dot_general:  # nn.dot_product_attention, or a partial of it.
         return functools.partial(attention_fn, einsum_dot_general=dot_general)
-    return matmuls_in(attention_fn, policy.matmul_dtype)  # Any other function.
+    return matmuls_in(attention_fn, policy.matmul_dtype, policy.fp8_scaling)  # Any other function.
 
 
 def _matmul_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
@@ -121,7 +121,7 @@ def _matmul_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
     out of FP8), so it is left alone. `nn.Einsum` has no hook (flax 0.12.8):
     it multiplies in the compute dtype.
     """
-    dot_general = matmul_dot_general(policy.matmul_dtype)
+    dot_general = matmul_dot_general(policy.matmul_dtype, policy.fp8_scaling)
     if dot_general is None:
         return {}
     overrides: dict[str, Any] = {}

@@ -61,7 +61,7 @@ def _matmul_overrides(module: nnx.Module, policy: Policy) -> dict[str, Any]:
     `dot_product_attention` has no dot_general hook: its products are
     rewritten by `matmuls_in`). Empty without a matmul dtype.
     """
-    dot_general = matmul_dot_general(policy.matmul_dtype)
+    dot_general = matmul_dot_general(policy.matmul_dtype, policy.fp8_scaling)
     if dot_general is None:
         return {}
     overrides: dict[str, Any] = {}
@@ -72,7 +72,9 @@ def _matmul_overrides(module: nnx.Module, policy: Policy) -> dict[str, Any]:
     if isinstance(module, nnx.Einsum):
         overrides["einsum_op"] = functools.partial(jnp.einsum, _dot_general=dot_general)
     if isinstance(module, nnx.MultiHeadAttention):
-        overrides["attention_fn"] = matmuls_in(module.attention_fn, policy.matmul_dtype)
+        overrides["attention_fn"] = matmuls_in(
+            module.attention_fn, policy.matmul_dtype, policy.fp8_scaling
+        )
     return overrides
 
 

@@ -2,8 +2,9 @@
 
 The same architecture, data and loss as `examples/transformer_lm.py` (so the
 figures of both describe one model), plus the two fields only the benchmark
-needs: `dtype` (Flax's hand-written bfloat16 variant) and `dot_general`
-(`jmp_policy.half_dot_general` in every matmul). Shipped in the package, so
+needs: `dtype` (Flax's hand-written bfloat16 variant), `dot_general`
+(`jmp_policy.half_dot_general` in every matmul) and `dot_general_cls` (Flax's
+FP8 ops in the Dense layers and attention projections). Shipped in the package, so
 `jmp-policy bench` runs from an installed wheel.
 """
 
@@ -35,17 +36,25 @@ class Block(nn.Module):
     mlp_ratio: int = 4
     dtype: Any = None  # None: as the parameters (or as a policy sets it)
     dot_general: Any = None  # None: Flax's default `lax.dot_general`
+    dot_general_cls: Any = None  # e.g. flax.linen.fp8_ops.Fp8DirectDotGeneralOp
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
         width = x.shape[-1]
-        dense = functools.partial(nn.Dense, dtype=self.dtype, dot_general=self.dot_general)
+        dense = functools.partial(
+            nn.Dense,
+            dtype=self.dtype,
+            dot_general=self.dot_general,
+            dot_general_cls=self.dot_general_cls,
+        )
         h = nn.LayerNorm(dtype=self.dtype)(x)
         h = nn.MultiHeadDotProductAttention(
             num_heads=self.num_heads,
             dtype=self.dtype,
             qkv_dot_general=self.dot_general,
             out_dot_general=self.dot_general,
+            qkv_dot_general_cls=self.dot_general_cls,
+            out_dot_general_cls=self.dot_general_cls,
             attention_fn=functools.partial(
                 nn.dot_product_attention, einsum_dot_general=self.dot_general
             ),
@@ -66,6 +75,7 @@ class TransformerLM(nn.Module):
     max_len: int = SEQ_LEN
     dtype: Any = None
     dot_general: Any = None
+    dot_general_cls: Any = None
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -74,9 +84,19 @@ class TransformerLM(nn.Module):
         x = x + nn.Embed(self.max_len, self.width, dtype=self.dtype, name="pos_embed")(positions)
         mask = nn.make_causal_mask(tokens)
         for _ in range(self.depth):
-            x = Block(self.num_heads, dtype=self.dtype, dot_general=self.dot_general)(x, mask)
+            x = Block(
+                self.num_heads,
+                dtype=self.dtype,
+                dot_general=self.dot_general,
+                dot_general_cls=self.dot_general_cls,
+            )(x, mask)
         x = nn.LayerNorm(dtype=self.dtype)(x)
-        dense = functools.partial(nn.Dense, dtype=self.dtype, dot_general=self.dot_general)
+        dense = functools.partial(
+            nn.Dense,
+            dtype=self.dtype,
+            dot_general=self.dot_general,
+            dot_general_cls=self.dot_general_cls,
+        )
         return dense(self.vocab_size, name="head")(x)
 
 

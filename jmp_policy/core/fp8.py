@@ -1,0 +1,413 @@
+"""FP8 matrix products with current scaling, per tensor or per row, in both passes.
+
+Each operand of a product is divided by a power-of-two scale, rounded to FP8
+(e4m3 forward, e5m2 for the output gradient backward), and the FP8 operands
+go into `dot_general` directly with float32 accumulation; the scales multiply
+the float32 result. `"tensor"` scaling takes one scale per operand (torchao's
+"tensorwise" recipe); `"rowwise"` one per row, along the dimensions the
+product does not contract (torchao's "rowwise" recipe; Qwix scales per
+channel), so one outlier only coarsens its own row. A scale must be constant
+along the contracted dimensions to factor out of the sum, so in the backward
+pass, where other dimensions are contracted, row-wise scaling re-scales the
+operands along them: the output gradient per row for `d lhs` and per column
+for `d rhs`, each saved operand along its forward-contracted dimensions.
+
+Three layers of custom rules:
+
+* A `jax.custom_vjp` on the whole product: its backward products are FP8
+  too. It saves the operands in their own dtype (the compute dtype under a
+  policy), not the FP8 copies, and quantises them again in the backward pass:
+  forward-over-reverse needs their tangents, which an FP8 residual could only
+  carry in FP8.
+* Each FP8 product (the forward one, and each of the two backward ones) is a
+  `jax.custom_jvp` whose tangent is the same product in the operands' dtype
+  with float32 accumulation, as if the rounding to FP8 were the identity
+  (straight-through). So forward-over-reverse (`jax.jvp` of `jax.grad`,
+  `jax.hessian`: Hessian-vector products) differentiates the FP8 forward and
+  backward passes without casting a tangent to FP8, where it would overflow.
+* Plain forward mode (`jax.jvp` of the product itself) meets the custom VJP
+  and raises the library's own `TypeError`.
+
+Reference: Micikevicius et al., "FP8 Formats for Deep Learning" (2022),
+arXiv:2209.05433; torchao's float8 training recipes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jmp_policy.core import jax_internals as ji
+from jmp_policy.core.matmul import (
+    F32,
+    _accumulate_in_float32,
+    _check_shapes,
+    _result_dtype,
+    cast,
+    dot_product,
+    is_float,
+    widest,
+)
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+# The largest finite values: what a tensor's amax is scaled to (at most).
+E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
+E5M2_MAX = float(jnp.finfo(E5M2).max)  # 57344
+SCALINGS = ("tensor", "rowwise")
+
+Dims = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def check_scaling(scaling: Any, name: str = "scaling") -> str:
+    """`scaling` if it is one of `SCALINGS`.
+
+    Raises:
+      ValueError: naming `name`, the value and the accepted ones.
+    """
+    if not (isinstance(scaling, str) and scaling in SCALINGS):
+        raise ValueError(
+            f"{name} must be one of {', '.join(map(repr, SCALINGS))} (one FP8 scale per "
+            f"tensor, or one per row along the non-contracting dimensions), got {scaling!r}."
+        )
+    return scaling
+
+
+def fp8_scale(x: jax.Array, fp8_max: float, axes: Sequence[int] | None = None) -> jax.Array:
+    """The scale of `x` for an FP8 format: a float32 power of two, per tensor or per row.
+
+    The smallest power of two `s >= amax(|x|) / fp8_max`, so `x / s` fits the
+    format and dividing by it is exact (the only error is the FP8 rounding).
+    1 where the values it covers are all zeros. A non-finite amax is kept as
+    the scale (never clipped): the product is multiplied by it, so an inf or
+    NaN in `x` makes the result non-finite and `loss_scaled` skips the step.
+    A constant for differentiation.
+
+    Args:
+      x: the array.
+      fp8_max: the format's largest finite value (`E4M3_MAX`, `E5M2_MAX`).
+      axes: the axes the amax is taken over, kept as size 1 (one scale per
+        row of the others); None: all of them, and a scalar scale.
+
+    Returns:
+      The float32 scale: a scalar, or `x`'s shape with `axes` of size 1.
+    """
+    x = lax.stop_gradient(x)
+    v = jnp.max(jnp.abs(x.astype(F32)), axis=None if axes is None else tuple(axes),
+                keepdims=axes is not None) / np.float32(fp8_max)  # fmt: skip
+    # Round the exponent up unless v is already a power of two (mantissa 0).
+    bits = lax.bitcast_convert_type(v, np.int32)
+    pow2 = lax.bitcast_convert_type((bits + 0x7FFFFF) & 0x7F800000, F32)
+    scale = jnp.where(jnp.isfinite(v), pow2, v)
+    return jnp.where(scale == 0, np.float32(1), scale)
+
+
+def fp8_quantize(x: jax.Array, scale: jax.Array, dtype: np.dtype, fp8_max: float) -> jax.Array:
+    """`x / scale` rounded to the FP8 `dtype` (`scale` broadcasts against `x`).
+
+    A finite `x / scale` is within +-fp8_max (the scale covers the amax); the
+    clip only guards the float32 rounding at the edge, and keeps NaN (an inf
+    operand has an inf scale, so inf / inf is NaN: non-finite stays so).
+    """
+    scaled = x.astype(F32) / scale
+    return lax.convert_element_type(jnp.clip(scaled, -fp8_max, fp8_max), dtype)
+
+
+# ------------------------------------------------------------- layouts
+
+
+class _Layout:
+    """Where the axes of a `dot_general`'s operands and result meet.
+
+    The result's axes are the batch axes, then lhs's free (non-contracting,
+    non-batch) axes, then rhs's, each in ascending order (as in
+    `lax.dot_general`). `maps[src, dst]` sends each axis of `src` that a
+    scale of `src` keeps (in that use) to the axis of `dst` holding the same
+    index; the scale has size 1 on its other axes.
+    """
+
+    def __init__(self, dims: Dims, lhs_ndim: int, rhs_ndim: int):
+        (lc, rc), (lb, rb) = dims
+        lf = [d for d in range(lhs_ndim) if d not in (*lc, *lb)]
+        rf = [d for d in range(rhs_ndim) if d not in (*rc, *rb)]
+        nb, nlf = len(lb), len(lf)
+        batch = list(range(nb))
+        out_lf = [nb + t for t in range(nlf)]
+        out_rf = [nb + nlf + t for t in range(len(rf))]
+        self.ndim = {"lhs": lhs_ndim, "rhs": rhs_ndim, "out": nb + nlf + len(rf)}
+        # The axes each scale is taken over: those its product contracts.
+        self.forward_axes = {"lhs": tuple(lc), "rhs": tuple(rc)}
+        self.backward_axes = {
+            "lhs": tuple(lf),  # d rhs contracts lhs's free axes ...
+            "rhs": tuple(rf),  # ... d lhs rhs's,
+            "out for d lhs": tuple(out_rf),  # and the output gradient's rhs axes,
+            "out for d rhs": tuple(out_lf),  # or its lhs axes.
+        }
+        self.maps = {
+            ("lhs", "out"): dict(zip([*lb, *lf], [*batch, *out_lf])),
+            ("rhs", "out"): dict(zip([*rb, *rf], [*batch, *out_rf])),
+            ("out", "lhs"): dict(zip([*batch, *out_lf], [*lb, *lf])),
+            ("out", "rhs"): dict(zip([*batch, *out_rf], [*rb, *rf])),
+            ("rhs", "lhs"): dict(zip([*rb, *rc], [*lb, *lc])),
+            ("lhs", "rhs"): dict(zip([*lb, *lc], [*rb, *rc])),
+        }
+
+    def place(self, scale: jax.Array, src: str, dst: str) -> jax.Array:
+        """A scale of `src` laid out to broadcast against `dst` (a scalar stays one)."""
+        if scale.ndim == 0:
+            return scale
+        axis_map = self.maps[src, dst]
+        kept = sorted(axis_map)
+        shape = [1] * self.ndim[dst]
+        for a in kept:
+            shape[axis_map[a]] = scale.shape[a]
+        squeezed = scale.reshape([scale.shape[a] for a in kept])
+        order = sorted(range(len(kept)), key=lambda k: axis_map[kept[k]])
+        return lax.transpose(squeezed, order).reshape(shape)
+
+
+Bilinear = Callable[[Any, Any], Any]  # `(a, b) -> the float32 product`
+
+
+def _transposed(product: Any, lhs: Any, rhs: Any, side: str) -> Bilinear:
+    """`(g, other) -> d side` of `product(lhs, rhs)` for output gradient `g`.
+
+    JAX's own transpose rule, traced once on float32 stand-ins of the shapes
+    (FP8 values cannot be traced through `linear_transpose`), then run on
+    operands of any dtype, each product accumulating in float32.
+    """
+    lhs_spec, rhs_spec = (jax.ShapeDtypeStruct(np.shape(x), F32) for x in (lhs, rhs))
+    out = jax.eval_shape(lambda a, b: product(a, b, None), lhs_spec, rhs_spec)
+    g_spec = jax.ShapeDtypeStruct(out.shape, F32)
+    if side == "lhs":
+
+        def transposed(g, rhs):
+            return jax.linear_transpose(lambda x: product(x, rhs, None), lhs_spec)(g)[0]
+
+        closed = jax.make_jaxpr(transposed)(g_spec, rhs_spec)
+    else:
+
+        def transposed(g, lhs):
+            return jax.linear_transpose(lambda y: product(lhs, y, None), rhs_spec)(g)[0]
+
+        closed = jax.make_jaxpr(transposed)(g_spec, lhs_spec)
+
+    def run(g, other):
+        return ji.eval_jaxpr(closed.jaxpr, closed.consts, [g, other], _accumulate_in_float32)[0]
+
+    return run
+
+
+def _fp8_bilinear(
+    bilinear: Bilinear,
+    a: jax.Array,
+    b: jax.Array,
+    scales: tuple[jax.Array, jax.Array],
+    formats: tuple[tuple[np.dtype, float], tuple[np.dtype, float]],
+    place: tuple[Callable[[Any], Any], Callable[[Any], Any]],
+) -> jax.Array:
+    """`bilinear(a, b)` on FP8 operands, the scales applied to the float32 result.
+
+    A `jax.custom_jvp`: the tangent is `bilinear(da, b) + bilinear(a, db)` on
+    the operands' (widest) dtype with float32 accumulation, never in FP8
+    (straight-through: the rounding counts as the identity). The scales are
+    constants.
+    """
+
+    @jax.custom_jvp
+    def f(a, b, sa, sb):
+        qa = fp8_quantize(a, sa, formats[0][0], formats[0][1])
+        qb = fp8_quantize(b, sb, formats[1][0], formats[1][1])
+        # One scale after the other: their product could underflow on its own.
+        return bilinear(qa, qb) * place[0](sa) * place[1](sb)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        a, b, sa, sb = primals
+        da, db, _, _ = tangents
+        c = widest([a.dtype, b.dtype])
+        tangent = bilinear(cast(da, c), cast(b, c)) + bilinear(cast(a, c), cast(db, c))
+        return f(a, b, sa, sb), tangent
+
+    return f(a, b, *scales)
+
+
+def fp8_product(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dims: Dims,
+    out_dtype: np.dtype,
+    scaling: str = "tensor",
+    precision: lax.PrecisionLike = None,
+    out_sharding: Any = None,
+) -> jax.Array:
+    """`lax.dot_general(lhs, rhs, dims)` in FP8 with current scaling, both passes.
+
+    Forward: each operand is scaled (per tensor, or per row along its
+    non-contracting axes) to e4m3; the e4m3 operands go into the product
+    directly, accumulating in float32; the result is multiplied by the
+    scales and cast to `out_dtype`. The operands are saved as they are
+    (with the per-tensor scales). Backward: the output gradient is scaled to
+    e5m2 (per tensor, or per row of the axes each backward product keeps) and
+    each transposed product takes it and an e4m3 operand (re-scaled along the
+    axes that product keeps), accumulating in float32; the scales are applied
+    to the float32 results.
+    """
+    dims = jax.tree.map(int, dims)
+    product = dot_product(dims, precision, out_sharding)
+    layout = _Layout(dims, lhs.ndim, rhs.ndim)
+    rowwise = check_scaling(scaling) == "rowwise"
+    lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
+    t_lhs, t_rhs = _transposed(product, lhs, rhs, "lhs"), _transposed(product, lhs, rhs, "rhs")
+    e4m3, e5m2 = (E4M3, E4M3_MAX), (E5M2, E5M2_MAX)
+
+    def scale(x, fmt, axes):
+        return fp8_scale(x, fmt[1], axes if rowwise else None)
+
+    def placer(src, dst):
+        return lambda s: layout.place(s, src, dst)
+
+    @jax.custom_vjp
+    def f(lhs, rhs):
+        return fwd(lhs, rhs)[0]
+
+    def fwd(lhs, rhs):
+        sl = scale(lhs, e4m3, layout.forward_axes["lhs"])
+        sr = scale(rhs, e4m3, layout.forward_axes["rhs"])
+        out = _fp8_bilinear(
+            lambda a, b: product(a, b, F32), lhs, rhs, (sl, sr), (e4m3, e4m3),
+            (placer("lhs", "out"), placer("rhs", "out")),
+        )  # fmt: skip
+        # Per tensor, the backward products reuse the forward scales.
+        return cast(out, out_dtype), (lhs, rhs, () if rowwise else (sl, sr))
+
+    def bwd(res, g):
+        lhs, rhs, saved = res
+        axes = layout.backward_axes
+        if rowwise:
+            sl, sr = scale(lhs, e4m3, axes["lhs"]), scale(rhs, e4m3, axes["rhs"])
+            sg_lhs, sg_rhs = (
+                scale(g, e5m2, axes["out for d lhs"]),
+                scale(g, e5m2, axes["out for d rhs"]),
+            )
+        else:
+            sl, sr = saved
+            sg_lhs = sg_rhs = scale(g, e5m2, None)
+        lhs_bar = _fp8_bilinear(
+            t_lhs, g, rhs, (sg_lhs, sr), (e5m2, e4m3), (placer("out", "lhs"), placer("rhs", "lhs"))
+        )
+        rhs_bar = _fp8_bilinear(
+            t_rhs, g, lhs, (sg_rhs, sl), (e5m2, e4m3), (placer("out", "rhs"), placer("lhs", "rhs"))
+        )
+        return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
+
+    f.defvjp(fwd, bwd)
+    try:
+        return f(lhs, rhs)
+    except TypeError as e:
+        # JAX's own message names neither this library nor a way out.
+        if "forward-mode" not in str(e) or "custom_vjp" not in str(e):
+            raise
+        raise TypeError(_JVP_UNSUPPORTED) from e
+
+
+_JVP_UNSUPPORTED = (
+    "Forward-mode differentiation (jax.jvp, jax.jacfwd, jax.linearize) of jmp_policy's "
+    "FP8 matmuls (fp8_dot_general, and the policies with m=f8, e.g. mixed_float8, "
+    "mixed_float8_rowwise) is not supported: their jax.custom_vjp defines reverse mode "
+    "only. Use reverse mode (jax.grad, jax.vjp, jax.jacrev); forward over reverse "
+    "(jax.jvp of jax.grad, jax.hessian) works, with the tangents in the operands' dtype. "
+    "For forward mode itself, use a policy without an FP8 matmul dtype."
+)
+
+
+def fp8_dot_general(
+    lhs: jax.typing.ArrayLike,
+    rhs: jax.typing.ArrayLike,
+    dimension_numbers: lax.DotDimensionNumbers,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
+    *,
+    out_sharding: Any = None,
+    scaling: str = "tensor",
+) -> jax.Array:
+    """`lax.dot_general` in FP8 (e4m3 forward, e5m2 gradients), float32 accumulation.
+
+    A drop-in for `lax.dot_general` (same arguments and result dtype), e.g. for
+    Flax's `nn.Dense(..., dot_general=fp8_dot_general)`; what a policy with
+    `matmul_dtype=float8_e4m3fn` (`"mixed_float8"`, `"mixed_float8_rowwise"`)
+    puts in every layer. Current scaling, stateless: each operand is divided
+    by a power of two `s >= amax / 448` computed in this step, rounded to
+    float8_e4m3fn, and the FP8 operands go into `lax.dot_general` directly
+    (`preferred_element_type=float32`, the form XLA's GPU compiler runs as an
+    FP8 GEMM on Hopper); the result is multiplied by the scales. A
+    `jax.custom_vjp` makes the backward products FP8 too: the output gradient
+    is scaled to float8_e5m2 (max 57344, more range, 2 mantissa bits) and
+    multiplied by the e4m3 operands, accumulating in float32. Cotangents come
+    back in the operands' own dtypes.
+
+    `scaling="tensor"` takes one amax per operand. `"rowwise"` one per row:
+    per index of the dimensions an operand is not contracted over (batch and
+    free), so an outlier in one row (one token, one sample) leaves the other
+    rows' precision alone; backward, the output gradient is scaled per row for
+    `d lhs` and per column for `d rhs`, and each operand along its
+    forward-contracted dimensions, so that every product's scales stay
+    outside its sum. It costs three more amax reductions per product (six
+    against three: the output gradient twice, each operand again in the
+    backward pass), and on GPU the per-row rescale of the result is an
+    epilogue outside cuBLASLt's per-tensor-scaled FP8 GEMM.
+
+    Errors: e4m3 keeps 3 mantissa bits, a relative rounding error of at most
+    2^-4 per operand element; e5m2 2^-3. Operands whose scaled values are
+    e4m3 numbers (e.g. small integers times a power of two) multiply exactly.
+    An inf or NaN in an operand or gradient gives a non-finite result (the
+    scale carries it), so `loss_scaled` skips the step. Non-floating
+    operands fall back to `lax.dot_general`. Forward over reverse
+    (`jax.hessian`, `jax.jvp` of `jax.grad`) is supported, the tangents
+    carried in the operands' dtype; forward mode of the product itself is not.
+
+    `lhs`, `rhs`, `dimension_numbers`, `precision`, `preferred_element_type`
+    and `out_sharding` are as in `lax.dot_general`.
+
+    Args:
+      scaling: `"tensor"` (one scale per operand) or `"rowwise"` (one per row).
+
+    Returns:
+      The product, in the dtype `lax.dot_general` would give.
+
+    Raises:
+      ValueError: if `scaling` is not `"tensor"` or `"rowwise"`.
+      TypeError: if the operands' shapes do not fit `dimension_numbers`
+        (naming the dimensions, as `lax.dot_general` does); under
+        forward-mode differentiation of the product (`jax.jvp`, `jax.jacfwd`).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jmp_policy import fp8_dot_general
+    >>> x, w = jnp.full((2, 3), 0.5), jnp.full((3, 4), 3.0)
+    >>> y = fp8_dot_general(x, w, (((1,), (0,)), ((), ())))
+    >>> y.dtype, float(y[0, 0])  # 0.5 and 3 are e4m3 numbers: exact
+    (dtype('float32'), 4.5)
+    >>> g = jax.grad(lambda w: fp8_dot_general(x, w, (((1,), (0,)), ((), ()))).sum())(w)
+    >>> g.dtype, float(g[0, 0])
+    (dtype('float32'), 1.0)
+    >>> x = x.at[0, 0].set(1e6)  # an outlier: row-wise, the other row stays exact
+    >>> float(fp8_dot_general(x, w, (((1,), (0,)), ((), ())), scaling="rowwise")[1, 0])
+    4.5
+    """
+    check_scaling(scaling)
+    dims = jax.tree.map(int, dimension_numbers)
+    if not (is_float(lhs) and is_float(rhs)):
+        return lax.dot_general(lhs, rhs, dims, precision, preferred_element_type,
+                               out_sharding=out_sharding)  # fmt: skip
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    _check_shapes(
+        lambda a, b: lax.dot_general(a, b, dims, precision, preferred_element_type),
+        lhs, rhs, "fp8_dot_general",
+    )  # fmt: skip
+    out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
+    return fp8_product(lhs, rhs, dims, out_dtype, scaling, precision, out_sharding)
