@@ -504,7 +504,9 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
     _check_bool_scalar(pred, "pred")
 
     def select(path: Any, x: Any, y: Any) -> Any:
-        if _same(x, y) and not (isinstance(x, _ARRAYS) or isinstance(y, _ARRAYS)):
+        # Arrays first: `==` on a tracer would add an op to the program.
+        arrays = isinstance(x, _ARRAYS) or isinstance(y, _ARRAYS)
+        if not arrays and _same(x, y):
             return x  # A Python scalar, function, string...: nothing to select.
         if _is_array_like(x) and _is_array_like(y):
             return jax.lax.select(pred, x, y)
