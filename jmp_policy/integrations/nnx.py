@@ -31,8 +31,8 @@ from flax import nnx
 from jmp_policy.core.autocast import matmuls_in
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
-from jmp_policy.core.matmul import matmul_dot_general
 from jmp_policy.core.policy import Policy, get_policy
+from jmp_policy.integrations import casting
 from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_names
 
 M = TypeVar("M", bound=nnx.Module)
@@ -50,30 +50,6 @@ def _norm_policy(policy: Policy) -> Policy:
     if policy.compute_dtype.itemsize >= 4:
         return policy
     return policy.with_compute_dtype(np.float32)
-
-
-def _matmul_overrides(module: nnx.Module, policy: Policy) -> dict[str, Any]:
-    """The attributes through which `module` takes the policy's matmul dtype.
-
-    `dot_general` for Linear and LinearGeneral (attention's projections are
-    LinearGeneral submodules, each under its own policy); `einsum_op` for
-    Einsum; attention's `attention_fn` for its two einsums (NNX's
-    `dot_product_attention` has no dot_general hook: its products are
-    rewritten by `matmuls_in`). Empty without a matmul dtype.
-    """
-    dot_general = matmul_dot_general(policy.matmul_dtype)
-    if dot_general is None:
-        return {}
-    overrides: dict[str, Any] = {}
-    if isinstance(module, (nnx.Linear, nnx.LinearGeneral)):
-        overrides["dot_general"] = dot_general
-        if hasattr(module, "dot_general_cls"):
-            overrides["dot_general_cls"] = None  # Flax prefers the factory.
-    if isinstance(module, nnx.Einsum):
-        overrides["einsum_op"] = functools.partial(jnp.einsum, _dot_general=dot_general)
-    if isinstance(module, nnx.MultiHeadAttention):
-        overrides["attention_fn"] = matmuls_in(module.attention_fn, policy.matmul_dtype)
-    return overrides
 
 
 def _path_str(path: PathParts) -> str:
@@ -107,23 +83,6 @@ def _module_policies(
         resolved[path] = best
     rules.check_all_matched(matched, (_path_str(p) for p in modules), module)
     return resolved, named_paths
-
-
-def _is_complex(dtype: Any) -> bool:
-    try:
-        return dtype is not None and np.issubdtype(np.dtype(dtype), np.complexfloating)
-    except TypeError:
-        return False
-
-
-def _keeps_its_dtypes(module: nnx.Module) -> bool:
-    # A complex layer: a real policy dtype would drop the imaginary part.
-    return any(_is_complex(getattr(module, k, None)) for k in ("dtype", "param_dtype"))
-
-
-def _is_layer(module: nnx.Module) -> bool:
-    """A Flax module or any module with a `dtype` attribute (it computes in it)."""
-    return hasattr(module, "dtype") or type(module).__module__.split(".")[0] == "flax"
 
 
 def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) -> M:
@@ -222,13 +181,13 @@ def _with_policy(
     policies, named = _module_policies(mixed, rule_set, policy)
     modules = dict(nnx.iter_modules(mixed))
     for path, sub in modules.items():
-        if _keeps_its_dtypes(sub):
+        if casting.keeps_its_dtypes(sub):
             continue  # Complex parameters are left alone by `cast_to_param` too.
         p = policies[path]
         for name, dtype in (("dtype", p.compute_dtype), ("param_dtype", p.param_dtype)):
             if hasattr(sub, name):
                 setattr(sub, name, dtype)
-        for name, value in _matmul_overrides(sub, p).items():
+        for name, value in casting.matmul_overrides(sub, p).items():
             setattr(sub, name, value)
     for path, node in nnx.iter_graph(mixed):
         if isinstance(node, nnx.Param):
@@ -302,8 +261,15 @@ class PolicyModule(nnx.Module):
         # The model's inputs are cast as any layer's: by its own policy (a
         # rule on the model decides), if it is a layer or a rule names it.
         root = self.module
-        casts = (() in named or _is_layer(root)) and not _keeps_its_dtypes(root)
+        casts = casting.casts_inputs(root, () in named)
         self.input_policy = policies[()] if casts else None
+        # Every product takes the matmul dtype through the op-level rewrite of
+        # the call, where one matmul dtype holds for the whole model (NNX has
+        # no interceptors to mark a module that a rule keeps out).
+        matmul_dtypes = {p.matmul_dtype for p in policies.values()}
+        self.rewrite_matmul = (
+            next(iter(matmul_dtypes)) if len(matmul_dtypes) == 1 else None
+        )
         self.keep_inputs = input_names(keep_inputs)
         self._positional = _positional_names(type(root).__call__, self.keep_inputs)
         # Modules a rule puts in another compute dtype than their parent's: the
@@ -334,7 +300,11 @@ class PolicyModule(nnx.Module):
                 for k, v in kwargs.items()
             }
         try:
-            out = self.module(*args, **kwargs)
+            if self.rewrite_matmul is None:
+                out = self.module(*args, **kwargs)
+            else:
+                rewritten = functools.partial(_with_matmuls, matmul_dtype=self.rewrite_matmul)
+                out = autocast_with_state(rewritten, self.module, args, kwargs)
         except TypeError as e:
             if (
                 "carry input and carry output must have equal types" not in str(e)
@@ -348,7 +318,11 @@ class PolicyModule(nnx.Module):
                 "cast the carry back in the loop body (e.g. `return block(x).astype(x.dtype)`), "
                 "or drop the rule."
             ) from e
-        return self.policy.cast_to_output(out)
+        return casting.results_to_output(self.policy, out, casting.arguments(args, kwargs))
+
+
+def _with_matmuls(fn: Callable, args: tuple, kwargs: dict, *, matmul_dtype: Any) -> Any:
+    return matmuls_in(fn, matmul_dtype)(*args, **kwargs)
 
 
 def _positional_names(method: Callable, names: frozenset[str]) -> tuple[str, ...]:
