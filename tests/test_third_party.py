@@ -160,7 +160,9 @@ def lm_steps(lm_params):
 
 
 def _rel(a, b) -> float:
-    a, b = (np.concatenate([np.ravel(x).astype(np.float64) for x in jax.tree.leaves(t)]) for t in (a, b))
+    a, b = (
+        np.concatenate([np.ravel(x).astype(np.float64) for x in jax.tree.leaves(t)]) for t in (a, b)
+    )
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
@@ -206,7 +208,10 @@ def test_decoder_m_bf16_and_fp8_every_product(lm_params):
     # bf16 x bf16 -> bf16 under m=bf16 and mixed_float8.
     model = DecoderLM()
     with jax.numpy_dtype_promotion("standard"):
-        for policy, check in [("p=f32,c=bf16,o=f32,m=bf16", assert_all_half_f32), ("mixed_float8", assert_all_fp8)]:
+        for policy, check in [
+            ("p=f32,c=bf16,o=f32,m=bf16", assert_all_half_f32),
+            ("mixed_float8", assert_all_fp8),
+        ]:
             apply = jmp.with_policy(model.apply, policy)
             step = jax.jit(jax.grad(functools.partial(lm_loss, apply)))
             counts = dot_types(step.lower(lm_params, TOKENS).as_text())
@@ -228,7 +233,9 @@ def test_init_equals_model_init_for_params_drawn_in_the_model_dtype():
 
     model, key = Embedder(), jax.random.key(3)
     for policy in ("mixed_bfloat16", "mixed_float8"):
-        assert_bitwise_equal(jmp.with_policy(model.init, policy)(key, TOKENS), model.init(key, TOKENS))
+        assert_bitwise_equal(
+            jmp.with_policy(model.init, policy)(key, TOKENS), model.init(key, TOKENS)
+        )
     out, variables = jmp.with_policy(model.init_with_output, "mixed_bfloat16")(key, TOKENS)
     assert_bitwise_equal(variables, model.init(key, TOKENS))
     assert out.dtype == F32
@@ -271,7 +278,7 @@ def test_float32_state_passed_to_an_inner_module_is_not_rounded():
     for name, (init, apply) in variants(StateModel).items():
         variables = init(jax.random.key(0), x, state)
         results[name] = jax.jit(apply)(variables, x, state)
-    for name, (y, new_state) in results.items():
+    for name, (_, new_state) in results.items():
         assert new_state.dtype == F32, name
         np.testing.assert_array_equal(new_state, state, err_msg=name)
     assert results["policy"][0].dtype == F32  # The result takes the output dtype.
@@ -303,7 +310,9 @@ def test_flax_decode_cache_from_the_policy_init_decodes_and_plain_init_says_why_
     apply = jmp.with_policy(model.apply, "mixed_bfloat16")
     with jax.numpy_dtype_promotion("standard"):
         plain_cache = model.init(key, TOKENS)["cache"]
-        with pytest.raises(TypeError, match=r"collections 'cache' \(float32\).*with_policy\(model\.init"):
+        with pytest.raises(
+            TypeError, match=r"collections 'cache' \(float32\).*with_policy\(model\.init"
+        ):
             apply({"params": params, "cache": plain_cache}, step_tokens, mutable=["cache"])
         cache = jmp.with_policy(model.init, "mixed_bfloat16")(key, TOKENS)["cache"]
         hand_cache = FlaxDecoder(jnp.bfloat16, decode=True).init(key, TOKENS)["cache"]
@@ -341,7 +350,10 @@ def test_layers_without_a_dot_general_hook_take_the_matmul_dtype(policy, check):
     params = model.init(jax.random.key(0), TOKENS)["params"]
     apply = jmp.with_policy(model.apply, policy)
     with jax.numpy_dtype_promotion("standard"):
-        loss = lambda p: apply({"params": p}, TOKENS).astype(F32).mean()
+
+        def loss(p):
+            return apply({"params": p}, TOKENS).astype(F32).mean()
+
         counts = dot_types(jax.jit(jax.grad(loss)).lower(params).as_text())
         grads = jax.grad(loss)(params)
     check(counts)
@@ -373,7 +385,11 @@ class NnxDecoder(nnx.Module):
 
 def test_nnx_policy_module_returns_the_cache_in_its_dtype():
     # Point 3 for NNX: PolicyModule cast the returned bf16 cache to float32.
-    cache = {"k": jnp.zeros((B, L, F), BF16), "v": jnp.zeros((B, L, F), BF16), "index": jnp.int32(0)}
+    cache = {
+        "k": jnp.zeros((B, L, F), BF16),
+        "v": jnp.zeros((B, L, F), BF16),
+        "index": jnp.int32(0),
+    }
     for policy in ("mixed_bfloat16", "p=f32,c=bf16,o=f32,m=bf16"):
         model = jnnx.PolicyModule(NnxDecoder(nnx.Rngs(0)), policy)
         c = cache
@@ -411,6 +427,7 @@ def test_nnx_products_in_model_code_and_attention_take_the_matmul_dtype(policy):
             return self.attn(x) @ self.w[...].astype(self.dtype or x.dtype)
 
     x = jnp.asarray(np.random.default_rng(2).standard_normal((B, L, F)), F32)
+
     def products(model):
         graphdef, state = nnx.split(model)
 
@@ -424,3 +441,15 @@ def test_nnx_products_in_model_code_and_attention_take_the_matmul_dtype(policy):
     counts = products(jnnx.PolicyModule(Net(nnx.Rngs(0)), policy))
     assert sum(counts.values()) == everyone, counts
     (assert_all_fp8 if policy == "mixed_float8" else assert_all_half_f32)(counts)
+
+
+def test_third_party_models_guide_runs():
+    import pathlib
+
+    guide = pathlib.Path(__file__).resolve().parent.parent / "docs/guides/third_party_models.md"
+    blocks = re.findall(r"```python\n(.*?)```", guide.read_text(), flags=re.S)
+    assert blocks
+    namespace: dict = {}
+    with jax.numpy_dtype_promotion("standard"):
+        for block in blocks:
+            exec(compile(block, str(guide), "exec"), namespace)

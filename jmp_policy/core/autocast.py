@@ -265,7 +265,7 @@ def matmul_scope(matmul_dtype: Any) -> contextlib.AbstractContextManager:
     return jax.named_scope(_SCOPE + name)
 
 
-def _scoped_matmul_dtype(rules) -> np.dtype | None:
+def _scoped_matmul_dtype(rules: _Rules) -> np.dtype | None:
     names = _SCOPE_NAME.findall(_name_stack())
     if not names:
         return rules.matmul_dtype

@@ -140,13 +140,10 @@ def is_real_float(x: Any) -> bool:
 
 
 def _same_structure(a: Any, b: Any) -> bool:
-    sa, sb = jax.tree.structure(a), jax.tree.structure(b)
-    if sa != sb or sa.num_leaves == 0:
+    (la, sa), (lb, sb) = jax.tree.flatten(a), jax.tree.flatten(b)
+    if not la or str(sa) != str(sb):
         return False
-    return all(
-        getattr(x, "shape", None) == getattr(y, "shape", None)
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    )
+    return all(getattr(x, "shape", None) == getattr(y, "shape", None) for x, y in zip(la, lb))
 
 
 def as_given(out: Any, given: Any) -> Any:
@@ -166,27 +163,34 @@ def as_given(out: Any, given: Any) -> Any:
 
 
 def _given_like(part: Any, given: Sequence[Any]) -> Any | None:
-    return next((g for g in given if _same_structure(part, g)), None)
+    """The argument `part` comes from: same structure and shapes, the same dtypes first."""
+    like = [g for g in given if _same_structure(part, g)]
+    dtypes = [getattr(x, "dtype", None) for x in jax.tree.leaves(part)]
+    same = [g for g in like if [getattr(x, "dtype", None) for x in jax.tree.leaves(g)] == dtypes]
+    return (same or like or [None])[0]
 
 
 def results_to_output(policy: Policy, out: Any, given: Sequence[Any]) -> Any:
     """A call's result with its results in the output dtype and its state as it was.
 
-    A tuple or list result `(logits, cache)` or `(carry, y)` is split: a part
-    that has the structure and shapes of an argument (a state passed in and
-    returned) comes back in that argument's dtypes; a later part that is a
-    container of arrays (a cache made inside the model, a dict of states)
-    keeps the dtypes the model gave it; every other part is a result, cast
-    to the output dtype. Anything else is a result.
+    A tuple or list result such as `(logits, cache)` or `(carry, y)` is split
+    into results and state. State comes back in the dtypes it went in (that
+    of the argument with its structure and shapes, the same dtypes first), or
+    as the model made it: a part is state if it is a container of arrays (a
+    cache, a carry) that has an argument's structure, a later container (a
+    cache the model made), or a later bare array shaped like an argument. The
+    first bare array is always a result. Results are cast to the output
+    dtype; anything that is not a tuple or list is a result.
     """
     if not isinstance(out, (tuple, list)) or len(out) < 2:
         return policy.cast_to_output(out)
     parts = []
     for i, part in enumerate(out):
-        like = _given_like(part, given)
+        container = _is_container(part)
+        like = _given_like(part, given) if (container or i > 0) else None
         if like is not None:
             parts.append(as_given(part, like))
-        elif i > 0 and _is_container(part):
+        elif i > 0 and container:
             parts.append(part)
         else:
             parts.append(policy.cast_to_output(part))

@@ -24,8 +24,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jmp_policy.core.autocast import matmul_scope, matmuls_in
@@ -419,7 +417,12 @@ def with_policy(
         if entry != "apply":
             # `model.init`'s own draws (a parameter drawn in the model's
             # `dtype` would otherwise be drawn in half), cast after.
-            plain = target(first, *args, **kwargs)
+            try:
+                plain = target(first, *args, **kwargs)
+            except (TypeError, ValueError):
+                # Arguments only the policy's model takes (a half cache):
+                # the policy's own draws.
+                plain = result
             return _init_result(entry, result, plain, call.owners, policy)
         given = casting.arguments(args, kwargs)
         if _returns_state(kwargs):

@@ -24,7 +24,6 @@ from typing import Any, TypeVar, cast
 
 import flax
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -267,9 +266,7 @@ class PolicyModule(nnx.Module):
         # the call, where one matmul dtype holds for the whole model (NNX has
         # no interceptors to mark a module that a rule keeps out).
         matmul_dtypes = {p.matmul_dtype for p in policies.values()}
-        self.rewrite_matmul = (
-            next(iter(matmul_dtypes)) if len(matmul_dtypes) == 1 else None
-        )
+        self.rewrite_matmul = next(iter(matmul_dtypes)) if len(matmul_dtypes) == 1 else None
         self.keep_inputs = input_names(keep_inputs)
         self._positional = _positional_names(type(root).__call__, self.keep_inputs)
         # Modules a rule puts in another compute dtype than their parent's: the
