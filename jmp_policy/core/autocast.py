@@ -49,6 +49,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax import lax
 
 from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.matmul import E4M3 as _E4M3
@@ -56,6 +57,7 @@ from jmp_policy.core.matmul import F32 as _F32
 from jmp_policy.core.matmul import (
     accumulating_product,
     cast,
+    dot_product,
     fp8_product,
     is_float,
     product_of,
@@ -281,13 +283,22 @@ def _matmul_dtype_product(eqn, invals, rules):
     product, out_dtype = product_of(eqn), eqn.outvars[0].aval.dtype
     if rules.products == "vjp":
         if m == _E4M3:
-            return fp8_product(product, lhs, rhs, out_dtype)
+            return fp8_product(_without_algorithm(eqn), lhs, rhs, out_dtype)
         return accumulating_product(product, lhs, rhs, m, out_dtype)
     if m == _E4M3:
         # Inside a JVP rule JAX transposes the products itself, which an
         # unscaled FP8 cast cannot survive: the compute dtype there.
         return None
     return cast(product(cast(lhs, m), cast(rhs, m), _F32), out_dtype)
+
+
+def _without_algorithm(eqn):
+    """The dot_general as a product, without a dot algorithm (e.g. BF16_BF16_F32, which
+    `jax.nn.dot_product_attention` sets): it would lower FP8 operands as bf16 ones."""
+    precision = eqn.params["precision"]
+    if isinstance(precision, (lax.DotAlgorithm, lax.DotAlgorithmPreset)):
+        precision = None
+    return dot_product(eqn.params["dimension_numbers"], precision, eqn.params.get("out_sharding"))
 
 
 def _product_rule(eqn, invals, rules):

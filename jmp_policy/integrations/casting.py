@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
 from jmp_policy.core.autocast import matmuls_in
 from jmp_policy.core.matmul import matmul_dot_general
@@ -71,7 +72,7 @@ def attribute_overrides(module: Any, policy: Policy) -> dict[str, Any]:
     return {k: v for k, v in overrides.items() if hasattr(module, k)}
 
 
-def matmul_overrides(module: Any, policy: Policy) -> dict[str, Any]:
+def matmul_overrides(module: Any, policy: Policy, *, rewritten: bool = False) -> dict[str, Any]:
     """The attributes through which a Flax layer takes the policy's matmul dtype.
 
     `dot_general` for the dense layers (replacing one wired in by hand);
@@ -80,13 +81,18 @@ def matmul_overrides(module: Any, policy: Policy) -> dict[str, Any]:
     attention's `attention_fn` (rewritten by `matmuls_in`: NNX has no hook
     there, and `jmp_policy.nnx.with_policy` no call to rewrite). Empty without
     a matmul dtype; every other product takes it through the op-level
-    rewrite of the call (`matmuls_in`).
+    rewrite of the call (`matmuls_in`). With `rewritten` (the call is
+    rewritten), a dense layer multiplying with `lax.dot_general` is left to
+    the rewrite: one product fewer to trace.
     """
     dot_general = matmul_dot_general(policy.matmul_dtype)
     if dot_general is None:
         return {}
     overrides: dict[str, Any] = {}
-    if isinstance(module, _DENSE):
+    wired = getattr(module, "dot_general", None) not in (None, lax.dot_general) or (
+        getattr(module, "dot_general_cls", None) is not None
+    )
+    if isinstance(module, _DENSE) and (wired or not rewritten):
         overrides["dot_general"] = dot_general
         if hasattr(module, "dot_general_cls"):
             overrides["dot_general_cls"] = None  # Flax prefers the factory.

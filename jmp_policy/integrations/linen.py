@@ -191,7 +191,7 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
         inherited = _ACTIVE_POLICY.get()
         policy, named = _module_policy(module, rules, inherited, call)
         overrides = casting.attribute_overrides(module, policy)
-        overrides.update(casting.matmul_overrides(module, policy))
+        overrides.update(casting.matmul_overrides(module, policy, rewritten=call.rewrite))
         saved = {name: getattr(module, name) for name in overrides}
         token = _ACTIVE_POLICY.set(policy)
         # The model's own call: the first one, `setup` aside (Flax runs it first).

@@ -83,8 +83,9 @@ def lowering_seconds(step: Callable, *args: Any) -> float:
     return time.perf_counter() - start
 
 
-def measure(rounds: int, depth: int, width: int) -> dict[str, list[float]]:
-    """Per variant, the ratio to the reference in each round (interleaved, rotating order)."""
+def measure(rounds: int, depth: int, width: int) -> tuple[list[float], dict[str, list[float]]]:
+    """The reference's seconds and, per variant, its ratio to them in each round
+    (interleaved, in a rotating order)."""
     _, _, vocab_size = _transformer_lm.make_data(1)
     batch = jax.ShapeDtypeStruct((_transformer_lm.BATCH, _transformer_lm.SEQ_LEN + 1), jnp.int32)
     model = _transformer_lm.make_model(vocab_size, depth=depth, width=width)
@@ -101,13 +102,14 @@ def measure(rounds: int, depth: int, width: int) -> dict[str, list[float]]:
     for name in names:  # Warm-up: imports and JAX's own first-use caches.
         lowering_seconds(steps[name], params, opt_state, batch)
     ratios: dict[str, list[float]] = {name: [] for name in names if name != REFERENCE}
+    reference_s = []
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         seconds = {name: lowering_seconds(steps[name], params, opt_state, batch) for name in order}
         for name in ratios:
             ratios[name].append(seconds[name] / seconds[REFERENCE])
-        ratios.setdefault("_reference_s", []).append(seconds[REFERENCE])
-    return ratios
+        reference_s.append(seconds[REFERENCE])
+    return reference_s, ratios
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -119,8 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rounds = 2 if args.quick else args.rounds
     with jax.numpy_dtype_promotion("standard"):
-        ratios = measure(rounds, args.depth, args.width)
-    reference_s = statistics.median(ratios.pop("_reference_s"))
+        seconds, ratios = measure(rounds, args.depth, args.width)
+    reference_s = statistics.median(seconds)
     print(
         f"Train step lowering, {args.depth} layers x width {args.width}, median of {rounds} "
         f"interleaved rounds; {REFERENCE}: {reference_s:.2f} s = 1.00"
