@@ -111,3 +111,20 @@ def test_the_benchmark_model_is_the_example_model():
         example.loss_fn(apply_theirs, theirs, batches[0]),
         _transformer_lm.loss_fn(apply_ours, ours, batches[0]),
     )
+
+
+def test_lowering_benchmark_prints_each_variant_against_flax_by_hand():
+    from jmp_policy.app.benchmarks import lowering
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert lowering.main(["--depth", "1", "--width", "32", "--rounds", "1"]) == 0
+    rows = {}
+    for line in out.getvalue().splitlines():
+        for name in sorted(lowering.TARGETS, key=len, reverse=True):  # "with_policy m=bf16" first
+            if line.startswith(name + " "):
+                rows[name] = tuple(map(float, line.removeprefix(name).split()))
+                break
+    assert set(rows) == set(lowering.TARGETS), out.getvalue()
+    assert all(ratio > 0 for ratio, _ in rows.values())
+    assert "flax dtype=bf16" in out.getvalue() and "= 1.00" in out.getvalue()

@@ -68,6 +68,10 @@ STEPS = 20
 # on the models measured.
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 SPECS = {s.name: s for s in zoo.all_specs()}
+MATMUL_VARIANTS = ("p=f32,c=bf16,o=f32,m=bf16", "mixed_float8")
+# A product the model's author keeps in float32 on purpose takes the matmul
+# dtype like any other; a rule keeps it out.
+MATMUL_RULES = {"f32_math": {"Float32Logits_0": "f32"}}
 # Two bf16 implementations whose errors are both below one bfloat16 rounding
 # of the loss (2^-9, about 2e-3 relative) differ by chance by more than 1.5x:
 # errors are compared above a floor of half that, relative to the initial loss.
@@ -78,7 +82,7 @@ ERR_FLOOR = 1e-3
 MAX_SKIPPED = 5
 
 _OP = re.compile(r"stablehlo\.(dot_general|convolution)\b.* : \((.*)\) -> (.*)$")
-_ELEMENT = re.compile(r"tensor<(?:[0-9?]+x)*([a-z0-9]+(?:<[a-z0-9]+>)?)>")
+_ELEMENT = re.compile(r"tensor<(?:[0-9?]+x)*([a-zA-Z0-9]+(?:<[a-z0-9]+>)?)>")
 # A dot with a dot algorithm (`precision=DotAlgorithmPreset.BF16_BF16_F32`, which
 # JAX's transpose keeps for the backward products) rounds its operands to the
 # algorithm's precision types whatever their storage type: those count.
@@ -120,14 +124,20 @@ def _optimizer(spec, variant):
 
 
 def _policy(variant):
-    return variant if variant in ("mixed_bfloat16", "mixed_float16") else None
+    return variant if variant in ("mixed_bfloat16", "mixed_float16", *MATMUL_VARIANTS) else None
 
 
-def _compile_and_train(step, args, batch) -> tuple[Any, list, float, float, str]:
+class Lowered(Exception):
+    """Raised by `_compile_and_train(..., lower_only=True)` with the step's program text."""
+
+
+def _compile_and_train(step, args, batch, lower_only=False) -> tuple[Any, list, float, float, str]:
     """Lowers `step` once (its text for the operand count), compiles it and runs it."""
     t0 = time.perf_counter()
     lowered = jax.jit(step).lower(*args, batch, jnp.int32(0))
     text = lowered.as_text()
+    if lower_only:
+        raise Lowered(text)
     compiled = lowered.compile(COMPILER_OPTIONS)
     t1 = time.perf_counter()
     losses, skipped = [], []
@@ -140,24 +150,26 @@ def _compile_and_train(step, args, batch) -> tuple[Any, list, float, float, str]
     return args, (losses, skipped), t1 - t0, time.perf_counter() - t1, text
 
 
+def _rules(spec, variant):
+    if variant in MATMUL_VARIANTS:
+        return {**(spec.rules or {}), **MATMUL_RULES.get(spec.name, {})} or None
+    return spec.rules
+
+
 def linen_fns(spec: zoo.LinenSpec, variant: str, model) -> tuple[Any, Any]:
     """`(init, apply)` of a linen model under a variant."""
-    policy = _policy(variant)
+    policy, rules = _policy(variant), _rules(spec, variant)
     if policy:
         return (
-            jmp_policy.with_policy(
-                model.init, policy, rules=spec.rules, keep_inputs=spec.keep_inputs
-            ),
-            jmp_policy.with_policy(
-                model.apply, policy, rules=spec.rules, keep_inputs=spec.keep_inputs
-            ),
+            jmp_policy.with_policy(model.init, policy, rules=rules, keep_inputs=spec.keep_inputs),
+            jmp_policy.with_policy(model.apply, policy, rules=rules, keep_inputs=spec.keep_inputs),
         )
     if variant == "autocast":
         return model.init, jmp_policy.autocast(model.apply, "mixed_bfloat16")
     return model.init, model.apply
 
 
-def train_linen(spec: zoo.LinenSpec, variant: str) -> Run:
+def train_linen(spec: zoo.LinenSpec, variant: str, lower_only: bool = False) -> Run:
     data = spec.data()
     (init_args, init_kwargs), batch = data["init"], data["batch"]
     model = spec.make(jnp.bfloat16 if variant == "handwritten_bf16" else None)
@@ -182,19 +194,19 @@ def train_linen(spec: zoo.LinenSpec, variant: str) -> Run:
         return optax.apply_updates(params, updates), {**state, **new_state}, opt_state, loss
 
     (p, s, _), losses, c, t, text = _compile_and_train(
-        step, (params, state, tx.init(params)), batch
+        step, (params, state, tx.init(params)), batch, lower_only
     )
     return Run(*losses, params, p, s, count_ops(text), c, t)
 
 
-def train_nnx(spec: zoo.NnxSpec, variant: str) -> Run:
+def train_nnx(spec: zoo.NnxSpec, variant: str, lower_only: bool = False) -> Run:
     batch = spec.data()["batch"]
     model = spec.make(
         nnx.Rngs(0, dropout=1), jnp.bfloat16 if variant == "handwritten_bf16" else None
     )
     policy = _policy(variant)
     if policy:
-        model = jnnx.PolicyModule(model, policy, rules=spec.rules)
+        model = jnnx.PolicyModule(model, policy, rules=_rules(spec, variant))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     call = (
         (lambda m: jmp_policy.autocast(m, "mixed_bfloat16"))
@@ -217,7 +229,9 @@ def train_nnx(spec: zoo.NnxSpec, variant: str) -> Run:
         rest = nnx.split(model, nnx.Param, ...)[2]  # BatchStat and PRNG counts, updated
         return optax.apply_updates(params, updates), rest, opt_state, loss
 
-    (p, s, _), losses, c, t, text = _compile_and_train(step, (params, rest, tx.init(params)), batch)
+    (p, s, _), losses, c, t, text = _compile_and_train(
+        step, (params, rest, tx.init(params)), batch, lower_only
+    )
     return Run(*losses, params, p, s, count_ops(text), c, t)
 
 
@@ -318,6 +332,26 @@ def test_cached_decoding_matches_uncached(name, variant):
     np.testing.assert_array_equal(cached, uncached)
     # Not a vacuous match: the decodes depend on the source.
     assert len({tuple(row) for row in np.asarray(cached)}) > 1, cached
+
+
+@pytest.mark.parametrize("variant", MATMUL_VARIANTS)
+@pytest.mark.parametrize("name", list(SPECS))
+def test_zoo_matmul_dtype_takes_every_product(name, variant):
+    """Under `m=bf16` every dot_general is bf16 x bf16 -> f32, under `mixed_float8` FP8
+    (e4m3 x e4m3 forward, one e5m2 operand backward), but those a rule keeps out or
+    that are complex: `kept_f32["mixed_bfloat16"]`. Convolutions take the compute
+    dtype (the matmul dtype is for `dot_general`). The train step is lowered, not run."""
+    spec = SPECS[name]
+    with jax.numpy_dtype_promotion("standard"), pytest.raises(Lowered) as lowered:
+        (train_linen if spec.kind == "linen" else train_nnx)(spec, variant, lower_only=True)
+    dots = [types for op, types in count_ops(lowered.value.args[0]) if op == "dot_general"]
+    if variant == "mixed_float8":
+        fp8 = {("f8E4M3FN", "f8E4M3FN"), ("f8E5M2", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2")}
+        taken = [t for t in dots if t in fp8]
+    else:
+        taken = [t for t in dots if t == ("bf16", "bf16")]
+    kept = spec.kept_f32.get("mixed_bfloat16", 0)
+    assert dots and len(dots) - len(taken) == kept, [t for t in dots if t not in taken]
 
 
 @pytest.fixture(scope="module", autouse=True)
