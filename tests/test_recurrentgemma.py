@@ -57,16 +57,8 @@ def apply_fn(policy):
     return jmp.with_policy(model.apply, policy)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _standard_promotion():
-    # Griffin is written for standard promotion (e.g. a float32 mask times int32).
-    jax.config.update("jax_numpy_dtype_promotion", "standard")
-    yield
-    jax.config.update("jax_numpy_dtype_promotion", "strict")
-
-
 @pytest.fixture(scope="module")
-def params(_standard_promotion):
+def params():
     model = griffin.Griffin(CONFIG)
     with jax.numpy_dtype_promotion("standard"):  # Griffin is written for it.
         return model.init(jax.random.key(0), TOKENS, POS)["params"]
@@ -131,8 +123,9 @@ def test_griffin_trains_and_decodes_with_its_cache_as_uncached(params, policy):
         # The hand-written bf16 Griffin's cache: bf16 keys, values and conv
         # state, a float32 RG-LRU state (half the memory of a float32 cache).
         hand = griffin.Griffin(CONFIG, dtype=jnp.bfloat16)
-        _, hand_cache = jax.eval_shape(
-            lambda: hand.apply({"params": params}, TOKENS[:, :PROMPT], POS[:, :PROMPT])
-        )
+        with jax.numpy_dtype_promotion("standard"):  # Griffin is written for it.
+            _, hand_cache = jax.eval_shape(
+                lambda: hand.apply({"params": params}, TOKENS[:, :PROMPT], POS[:, :PROMPT])
+            )
         assert cache_dtypes == _dtypes(hand_cache)
         assert BF16 in jax.tree.leaves(cache_dtypes) and F32 in jax.tree.leaves(cache_dtypes)

@@ -3,12 +3,14 @@
 Flax linen modules take `dtype` (computation) and `param_dtype` (storage)
 attributes. `with_policy` sets them on every module as it is called, through
 a linen method interceptor, so a model written without precision in mind
-runs under any policy. A layer's floating inputs are cast to its compute
-dtype as well: without that, the float32 output of a float32 LayerNorm would
-promote the next matmul back to float32 (a silent loss of Tensor Cores). A
-module of the user's own without a `dtype` attribute gets its inputs as
-given (its plain `jnp` maths may need their precision), and the carries of
-lifted loops (`nn.scan`, `nn.RNN`, `nn.while_loop`) keep their dtypes.
+runs under any policy, as its own hand-written half-precision config would:
+Flax's layers cast what they compute with, values moving between modules
+keep their dtypes (`jmp_policy.integrations.casting` decides, for linen and
+NNX alike), and the carries of lifted loops (`nn.scan`, `nn.RNN`,
+`nn.while_loop`) keep theirs. Under a matmul dtype the call is rewritten at
+the level of operations (`matmuls_in`) so that every product takes it; a
+module whose rule changes the matmul dtype marks its products with a name
+scope (`matmul_scope`).
 """
 
 from __future__ import annotations
@@ -268,25 +270,37 @@ def with_policy(
     module computes in the compute dtype (its `dtype` attribute is set for the
     call, also where it was `None` or float32); parameters stay stored in the
     param dtype and are cast inside each module, so gradients come back in the
-    param dtype. The result is cast to the output dtype; mutable collections
-    (`batch_stats`) are returned as the modules keep them (float32).
-    `model.init` and `model.init_with_output` create each parameter in the
-    param dtype of the module that owns it (its rule's, else its parent's),
-    also `self.param(...)` of a module without a `param_dtype` attribute.
+    param dtype. The results are cast to the output dtype, the state the
+    model threads through is not (see below); mutable collections
+    (`batch_stats`, `cache`) are returned as the modules keep them.
+    `model.init` and `model.init_with_output` return `model.init`'s own
+    random draws (also of a parameter drawn in the model's `dtype`, as
+    `self.param(..., self.dtype)`), each cast to the param dtype of the
+    module that owns it (its rule's, else its parent's); the other
+    collections (a decode cache) are made under the policy.
 
-    Which inputs are cast to the compute dtype: those of a *layer* (a Flax
-    module, or any module with a `dtype` attribute) and of a module a rule
-    names, the model itself included (its policy, after rules, decides: with
-    `rules={MyModel: "f32"}` the whole model, inputs included, runs in
-    float32). A module of your own without a `dtype` attribute (plain `jnp`
-    maths, e.g. a sinusoidal timestep embedding) gets what it is given, as in
-    a model written by hand: a diffusion model's float32 timesteps reach it
-    as float32. `keep_inputs` names arguments of the model's own call
-    (`__call__`, or `method=`) that are never cast, for a model that is a
-    layer; `rules={Embedding: "f32"}` keeps one module's maths in float32.
-    Integers, booleans and complex arrays are never cast, and a module whose
-    `dtype` or `param_dtype` is complex keeps both (a complex layer stays
-    complex under any policy).
+    The cast rule is that of the model's own half-precision config (every
+    layer's `dtype` set by hand): layers cast what they compute with (Flax's
+    layers cast their inputs and parameters to `dtype` inside), and no module
+    boundary casts, so values moving between modules (arguments, states,
+    caches, timesteps) keep their dtypes, also into a module or a model with
+    a `dtype` field: a diffusion model's float32 timesteps reach its
+    sinusoidal embedding as float32, a float32 RNN state passed to an inner
+    cell stays float32. Only a module a rule names has its floating inputs
+    cast, to the rule's compute dtype (`rules={MyModel: "f32"}`: the whole
+    model, inputs included, in float32), except the model's arguments that
+    `keep_inputs` names. Integers, booleans and complex arrays are never
+    cast, and a module whose `dtype` or `param_dtype` is complex keeps both.
+    Flax's own layers run under standard dtype promotion (their norms lift
+    half inputs to float32 statistics, their cells add half gates to a
+    float32 carry), also where the caller set strict promotion.
+
+    A tuple result is split into results and state: `(logits, cache)` comes
+    back with the cache in the dtypes it went in (or, made inside the model,
+    as the model made it), `(carry, y)` with the carry in the dtypes given;
+    see `casting.results_to_output`. A decode cache made by the plain
+    `model.init` (float32) does not fit a half model: the dtype error it
+    causes is re-raised as a `TypeError` naming the collection and the fix.
 
     Carries of lifted loops keep the dtypes the model gives them: the body of
     `nn.scan` (also under `nn.remat`/`nn.vmap`, and the cells of `nn.RNN`)
@@ -298,7 +312,7 @@ def with_policy(
     Any other function (a `lambda` around `apply`) has its floating arguments
     cast to compute, except Flax variables (a mapping with a `"params"`
     key, whose `batch_stats` stay float32) and the arguments `keep_inputs`
-    names, and its result cast to output; the modules it calls follow the
+    names, and its results cast to output; the modules it calls follow the
     rules above. An NNX module is refused: use `jmp_policy.nnx`.
 
     Normalisation layers need no rule: Flax's norms compute their statistics
@@ -319,13 +333,15 @@ def with_policy(
     also turn the weights-times-values matmul into float32.
 
     A policy with a `matmul_dtype` (`"p=f32,c=bf16,o=f32,m=bf16"`,
-    `"mixed_float8"`) also sets the products of Flax's `Dense`,
-    `DenseGeneral` (attention's projections) and attention's two einsums
-    (`attention_fn`): `half_dot_general` (float32 accumulation) or
-    `fp8_dot_general`, forward and backward, replacing a `dot_general`
-    wired into those layers; a rule can keep a module out (e.g.
-    `{"head": "mixed_bfloat16"}`). Convolutions and `nn.Einsum` (no hook)
-    run in the compute dtype.
+    `"mixed_float8"`) sets every product of the model: `half_dot_general`
+    (float32 accumulation) or `fp8_dot_general`, forward and backward. The
+    call is rewritten at the level of operations (`matmuls_in`), so Flax's
+    layers, attention, `nn.Einsum`, `Embed.attend`, `nn.OptimizedLSTMCell`
+    and `jnp.einsum`/`@`/`jnp.dot` in model code all take it; a `dot_general`
+    wired into a `Dense` by hand is replaced. A rule can keep a module out
+    (e.g. `{"head": "mixed_bfloat16"}`), also a product the model's author
+    wrote in float32 on purpose (`{"logits": "f32"}`). Convolutions run in
+    the compute dtype.
 
     Rules override the policy per module class or per module path:
 
@@ -349,7 +365,8 @@ def with_policy(
       remat_norms: recompute half-precision norm layers in the backward pass
         rather than save their float32 intermediates.
       keep_inputs: names of arguments of the model's call (or of `fn`, for a
-        plain function) whose floating arrays are passed as given, never cast.
+        plain function) whose floating arrays are passed as given, never cast
+        (for a model, only a rule naming it casts its inputs).
 
     Returns:
       The wrapped function. Jit it (`jax.jit(with_policy(...))`): a jitted

@@ -7,8 +7,9 @@ whose `nnx.Param`s are cast to the param dtype. Flax's NNX layers cast their
 inputs and parameters to `dtype` on every call (`promote_dtype`), so a float32
 LayerNorm does not make the next matmul float32: the next Linear casts the
 norm's output back. Norms are therefore left in float32 by default.
-`PolicyModule` adds the policy's casts at the model's boundary: inputs to
-compute, result to output.
+`PolicyModule` adds the policy at the model's boundary: results to output
+(state keeps its dtype), and every product in the matmul dtype. What is cast
+is decided with the linen integration in `jmp_policy.integrations.casting`.
 
 Both are plain NNX modules: they work under `nnx.jit`, `nnx.value_and_grad`
 and `nnx.Optimizer`, and as the dtypes are static attributes, a jitted step
@@ -203,15 +204,18 @@ class PolicyModule(nnx.Module):
     `PolicyModule(module, policy, rules=...)` holds `with_policy(module,
     policy, rules=rules)` as `.module` (a copy: `module` is left unchanged).
     Calling it calls the module and casts the floating results to the output
-    dtype. The floating arguments are cast to the compute dtype of the
-    module's own policy (after rules) when the module is a layer (a Flax
-    module, or one with a `dtype` attribute) or a rule names it, as
-    `jmp_policy.with_policy` does for a linen `model.apply`; a model of your
-    own without a `dtype` attribute gets its inputs as given, so plain `jnp`
-    maths on them (a diffusion model's timestep embedding) keeps their
-    precision, and its NNX layers cast what reaches them. Arguments that
-    `keep_inputs` names are never cast; integers (token ids), booleans and
-    complex arrays never are. Its state is the module's under the prefix
+    dtype; state it returns keeps its dtype (`(logits, cache)`: the cache
+    comes back in the dtypes it went in, see `jmp_policy.with_policy`). The
+    arguments are passed as given, as to the model's own half-precision
+    config: NNX layers cast what they compute with, so plain `jnp` maths on
+    the inputs (a diffusion model's timestep embedding) keeps their
+    precision. Only where a rule names the module are its floating arguments
+    cast to the rule's compute dtype, except those `keep_inputs` names;
+    integers, booleans and complex arrays never are. Where one matmul dtype
+    holds for the whole model, the call is rewritten at the level of
+    operations (`matmuls_in`), so every product takes it (`@` and
+    `jnp.einsum` in model code, attention); with a rule that changes it,
+    only NNX's layers do. Its state is the module's under the prefix
     `module`; call other methods through `.module`.
 
     Under `nnx.scan` the loop carry must keep its dtype: a rule that puts a
@@ -224,7 +228,8 @@ class PolicyModule(nnx.Module):
       module: the `nnx.Module` to run under the policy.
       policy: a `Policy` or a spec such as `"mixed_bfloat16"`.
       rules: optional per-class or per-path rules, as in `with_policy`.
-      keep_inputs: names of arguments of `module.__call__` never cast.
+      keep_inputs: names of arguments of `module.__call__` never cast (where
+        a rule names the module, the only case its inputs are cast).
 
     Raises:
       TypeError, ValueError: as `with_policy`; TypeError if `keep_inputs` is
