@@ -187,3 +187,20 @@ def test_fp8_benchmark_peers_when_installed_and_skips_a_missing_one(fp8_table):
         # Delayed scaling keeps amax histories: 6 arrays per Dense (1024 + 1 floats
         # for the input, the kernel and the output gradient), 3 Dense.
         assert table["flax fp8"]["MLP: extra state arrays (bytes)"] == "18 (36,900)"
+
+
+def test_lowering_benchmark_prints_each_variant_against_flax_by_hand():
+    from jmp_policy.app.benchmarks import lowering
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert lowering.main(["--depth", "1", "--width", "32", "--rounds", "1"]) == 0
+    rows = {}
+    for line in out.getvalue().splitlines():
+        for name in sorted(lowering.TARGETS, key=len, reverse=True):  # "with_policy m=bf16" first
+            if line.startswith(name + " "):
+                rows[name] = tuple(map(float, line.removeprefix(name).split()))
+                break
+    assert set(rows) == set(lowering.TARGETS), out.getvalue()
+    assert all(ratio > 0 for ratio, _ in rows.values())
+    assert "flax dtype=bf16" in out.getvalue() and "= 1.00" in out.getvalue()

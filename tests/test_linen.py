@@ -795,7 +795,10 @@ def test_lifted_transforms_contract_in_half_with_float32_grads(model, count):
 
 
 def test_rules_reach_modules_inside_scan():
-    found = lowered_train_step(ScanLM(), "mixed_bfloat16", rules={"blocks/*/Dense_*": "f32"})
+    # The float32 MLP's result meets the half residual: standard promotion, as
+    # in the hand-written model with those two Dense in float32.
+    with jax.numpy_dtype_promotion("standard"):
+        found = lowered_train_step(ScanLM(), "mixed_bfloat16", rules={"blocks/*/Dense_*": "f32"})
     mlp = [c.has_dim(4 * FEATURES) for c in found]  # The MLP's two Dense.
     assert sum(mlp) == 6
     assert [c.operand_dtypes for c in found] == [
@@ -1311,16 +1314,16 @@ def test_plain_jnp_module_gets_the_timesteps_as_given():
     # Was: the timesteps became [1000, 1000, 996, 512, 3] and the output erred
     # by 0.84 against float32, where the hand-written bfloat16 model errs by 0.010.
     errors = _denoiser_errors()
-    for name in ("hand-written", "with_policy", "root rule", "layer root, keep_inputs"):
+    # Issue 19, point 1: a root that is a layer (a `dtype` field, as almost
+    # every Flax model has) had its inputs cast: [1000, 1000, 996, 512, 3] and
+    # 5x the hand-written model's error. Now no module boundary casts.
+    for name in errors:
         np.testing.assert_array_equal(errors[name][1], TIMESTEPS, err_msg=name)
         assert errors[name][1].dtype == F32, name
     hand_written = errors["hand-written"][0]
-    assert 0 < errors["with_policy"][0] <= 1.5 * hand_written, errors
-    assert errors["layer root, keep_inputs"][0] <= 1.5 * hand_written, errors
+    for name in ("with_policy", "layer root", "layer root, keep_inputs"):
+        assert 0 < errors[name][0] <= 1.5 * hand_written, (name, errors)
     assert errors["root rule"][0] < 1e-6  # The whole model in float32, inputs included.
-    # A root that is a layer has its inputs cast, unless `keep_inputs` names them.
-    np.testing.assert_array_equal(errors["layer root"][1], [1000, 1000, 996, 512, 3])
-    assert errors["layer root"][0] > 5 * hand_written
 
 
 def test_keep_inputs_names_must_be_arguments_of_the_model():

@@ -374,8 +374,10 @@ def test_policy_module_casts_at_its_boundary():
             self.dtype = None
 
         def __call__(self, x, tokens, *, bias):
+            # A layer casts what it computes with (its inputs arrive as given).
             w = self.w[...].astype(self.dtype)
-            return {"y": x * w + bias, "tokens": tokens, "x_dtype": x.dtype}
+            y = x.astype(self.dtype) * w + bias.astype(self.dtype)
+            return {"y": y, "tokens": tokens, "x_dtype": x.dtype}
 
     model = jnnx.PolicyModule(Scale(), "p=f32,c=bf16,o=f16")
 
@@ -386,6 +388,7 @@ def test_policy_module_casts_at_its_boundary():
 
     y, tokens = call(model, jnp.ones(3), jnp.arange(3), jnp.zeros(3))
     assert y.dtype == F16 and tokens.dtype == jnp.int32
+    assert model(jnp.ones(3), 0, bias=jnp.zeros(3))["x_dtype"] == F32  # Not cast.
     assert model.module(jnp.ones(3, BF16), 0, bias=jnp.zeros(3, BF16))["x_dtype"] == BF16
     assert model.module.w.dtype == F32
     assert nnx.to_flat_state(nnx.state(model, nnx.Param)).paths == (("module", "w"),)
@@ -513,7 +516,7 @@ def test_policy_module_gives_plain_jnp_modules_their_inputs_as_given():
 def test_policy_module_keep_inputs():
     class Layer(nnx.Module):
         def __init__(self):
-            self.dtype = None  # A layer: its inputs are cast, those keep_inputs names aside.
+            self.dtype = None  # A layer: it casts what it computes with.
 
         def __call__(self, x, t):
             SEEN["x"], SEEN["t"] = x.dtype, t.dtype
@@ -522,9 +525,16 @@ def test_policy_module_keep_inputs():
     for keep, kwargs in [("t", {}), (("t",), {"t": jnp.ones(2)})]:
         module = jnnx.PolicyModule(Layer(), "mixed_bfloat16", keep_inputs=keep)
         module(jnp.ones(2), *([] if kwargs else [jnp.ones(2)]), **kwargs)
-        assert (SEEN["x"], SEEN["t"]) == (BF16, F32)
+        assert (SEEN["x"], SEEN["t"]) == (F32, F32)
+    # Issue 19, point 1: a layer root's inputs were cast unless keep_inputs
+    # named them; as in its own half-precision config, they are as given.
     jnnx.PolicyModule(Layer(), "mixed_bfloat16")(jnp.ones(2), jnp.ones(2))
-    assert (SEEN["x"], SEEN["t"]) == (BF16, BF16)
+    assert (SEEN["x"], SEEN["t"]) == (F32, F32)
+    # A rule naming the root casts its inputs, keep_inputs aside.
+    jnnx.PolicyModule(Layer(), "mixed_bfloat16", rules={Layer: "mixed_bfloat16"}, keep_inputs="t")(
+        jnp.ones(2), jnp.ones(2)
+    )
+    assert (SEEN["x"], SEEN["t"]) == (BF16, F32)
     with pytest.raises(ValueError, match=r"keep_inputs names 'time'.*\['x', 't'\]"):
         jnnx.PolicyModule(Layer(), "mixed_bfloat16", keep_inputs="time")
 

@@ -70,6 +70,10 @@ STEPS = 20
 # on the models measured.
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 SPECS = {s.name: s for s in zoo.all_specs()}
+MATMUL_VARIANTS = ("p=f32,c=bf16,o=f32,m=bf16", "mixed_float8")
+# A product the model's author keeps in float32 on purpose takes the matmul
+# dtype like any other; a rule keeps it out.
+MATMUL_RULES = {"f32_math": {"Float32Logits_0": "f32"}}
 # Two bf16 implementations whose errors are both below one bfloat16 rounding
 # of the loss (2^-9, about 2e-3 relative) differ by chance by more than 1.5x:
 # errors are compared above a floor of half that, relative to the initial loss.
@@ -80,7 +84,7 @@ ERR_FLOOR = 1e-3
 MAX_SKIPPED = 5
 
 _OP = re.compile(r"stablehlo\.(dot_general|convolution)\b.* : \((.*)\) -> (.*)$")
-_ELEMENT = re.compile(r"tensor<(?:[0-9?]+x)*([a-z0-9]+(?:<[a-z0-9]+>)?)>")
+_ELEMENT = re.compile(r"tensor<(?:[0-9?]+x)*([a-zA-Z0-9]+(?:<[a-z0-9]+>)?)>")
 # A dot with a dot algorithm (`precision=DotAlgorithmPreset.BF16_BF16_F32`, which
 # JAX's transpose keeps for the backward products) rounds its operands to the
 # algorithm's precision types whatever their storage type: those count.
@@ -126,7 +130,8 @@ M_F16 = "p=f32,c=f16,o=f32,m=f16"
 
 
 def _policy(variant):
-    return variant if variant in ("mixed_bfloat16", "mixed_float16", M_F16) else None
+    known = ("mixed_bfloat16", "mixed_float16", M_F16, *MATMUL_VARIANTS)
+    return variant if variant in known else None
 
 
 def _compile_and_train(step, args, batch) -> tuple[Any, list, float, float, str]:
@@ -146,17 +151,19 @@ def _compile_and_train(step, args, batch) -> tuple[Any, list, float, float, str]
     return args, (losses, skipped), t1 - t0, time.perf_counter() - t1, text
 
 
+def _rules(spec, variant):
+    if variant in MATMUL_VARIANTS:
+        return {**(spec.rules or {}), **MATMUL_RULES.get(spec.name, {})} or None
+    return spec.rules
+
+
 def linen_fns(spec: zoo.LinenSpec, variant: str, model) -> tuple[Any, Any]:
     """`(init, apply)` of a linen model under a variant."""
-    policy = _policy(variant)
+    policy, rules = _policy(variant), _rules(spec, variant)
     if policy:
         return (
-            jmp_policy.with_policy(
-                model.init, policy, rules=spec.rules, keep_inputs=spec.keep_inputs
-            ),
-            jmp_policy.with_policy(
-                model.apply, policy, rules=spec.rules, keep_inputs=spec.keep_inputs
-            ),
+            jmp_policy.with_policy(model.init, policy, rules=rules, keep_inputs=spec.keep_inputs),
+            jmp_policy.with_policy(model.apply, policy, rules=rules, keep_inputs=spec.keep_inputs),
         )
     if variant == "autocast":
         return model.init, jmp_policy.autocast(model.apply, "mixed_bfloat16")
@@ -200,7 +207,7 @@ def train_nnx(spec: zoo.NnxSpec, variant: str) -> Run:
     )
     policy = _policy(variant)
     if policy:
-        model = jnnx.PolicyModule(model, policy, rules=spec.rules)
+        model = jnnx.PolicyModule(model, policy, rules=_rules(spec, variant))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     call = (
         (lambda m: jmp_policy.autocast(m, "mixed_bfloat16"))
@@ -346,6 +353,28 @@ def test_cached_decoding_matches_uncached(name, variant):
     np.testing.assert_array_equal(cached, uncached)
     # Not a vacuous match: the decodes depend on the source.
     assert len({tuple(row) for row in np.asarray(cached)}) > 1, cached
+
+
+@pytest.mark.parametrize("variant", MATMUL_VARIANTS)
+@pytest.mark.parametrize("name", list(SPECS))
+def test_zoo_trains_with_every_product_in_the_matmul_dtype(name, variant):
+    """Under `m=bf16` every dot_general is bf16 x bf16 -> f32, under `mixed_float8` FP8
+    (e4m3 x e4m3 forward, one e5m2 operand backward), but those a rule keeps out or
+    that are complex: `kept_f32["mixed_bfloat16"]`. Convolutions take the compute
+    dtype (the matmul dtype is for `dot_general`). The model trains: finite losses
+    that fall, the final one within `loss_tol` of float32's, float32 parameters."""
+    spec, ref, r = SPECS[name], run(name, "float32"), run(name, variant)
+    dots = [types for op, types in r.ops if op == "dot_general"]
+    if variant == "mixed_float8":
+        fp8 = {("f8E4M3FN", "f8E4M3FN"), ("f8E5M2", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2")}
+        taken = [t for t in dots if t in fp8]
+    else:
+        taken = [t for t in dots if t == ("bf16", "bf16")]
+    kept = spec.kept_f32.get("mixed_bfloat16", 0)
+    assert dots and len(dots) - len(taken) == kept, [t for t in dots if t not in taken]
+    assert np.isfinite(r.losses).all() and r.losses[-1] < r.losses[0], r.losses
+    assert abs(r.losses[-1] - ref.losses[-1]) <= spec.loss_tol * ref.losses[0], r.losses
+    assert _dtypes(r.params) == _dtypes(ref.init_params)
 
 
 @pytest.fixture(scope="module", autouse=True)

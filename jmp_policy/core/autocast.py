@@ -38,9 +38,12 @@ JAX's "Writing custom Jaxpr interpreters" tutorial.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import functools
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -111,6 +114,10 @@ class _Rules:
     matmul_dtype: np.dtype | None = None
     # Under an FP8 matmul dtype: "tensor" or "rowwise" scaling.
     fp8_scaling: str = "tensor"
+    # Whether `matmul_scope` markers in a product's name stack choose its
+    # matmul dtype (`matmul_dtype` where there is none); a product whose
+    # scope says None runs as written.
+    scoped: bool = False
 
 
 def _as_original(eqn, invals):
@@ -136,6 +143,7 @@ def _rewrite_closed(closed, rules, in_dtypes, out_dtypes=None):
     branches must keep their types); otherwise they are what autocast makes.
     """
 
+    @_in_scope
     def fn(*args):
         outs = _eval(closed.jaxpr, closed.consts, args, rules)
         return outs if out_dtypes is None else _outputs_as(outs, out_dtypes)
@@ -169,6 +177,7 @@ def _control_flow_rule(eqn, invals, rules):
 def _remat_rule(eqn, invals, rules):
     jaxpr = ji.remat_body(eqn)
 
+    @_in_scope
     def body(*args):
         return _eval(jaxpr, (), args, rules)
 
@@ -182,6 +191,7 @@ def _custom_jvp_rule(eqn, invals, rules):
     if not all(is_float(a) for a in (*call.in_avals, *call.out_avals)):
         return ji.bind(eqn, args)  # Ints would need float0 tangents: run as written.
 
+    @_in_scope
     def primal(*xs):
         return _eval(call.jaxpr, call.consts, xs, rules)
 
@@ -208,6 +218,7 @@ def _shard_map_rule(eqn, invals, rules):
     jaxpr = ji.shard_map_body(eqn)
     out_dtypes = [ji.shaped(v).dtype for v in jaxpr.outvars]
 
+    @_in_scope
     def body(*args):
         return tuple(_outputs_as(_eval(jaxpr, (), args, rules), out_dtypes))
 
@@ -220,9 +231,61 @@ _HIGHER_ORDER[ji.remat_p] = _remat_rule
 _HIGHER_ORDER[ji.custom_jvp_call_p] = _custom_jvp_rule
 
 
+# `matmul_scope` markers: a module (or any code) whose products take another
+# matmul dtype than the code around it, read back from the name stack.
+_SCOPE = "jmp_policy_matmul_"
+_SCOPE_NAME = re.compile(_SCOPE + r"(\w+)")
+# The name stack outside the program being traced: JAX traces nested programs
+# (loop bodies, checkpointed and custom_jvp functions) with an empty one.
+_OUTER_STACK: contextvars.ContextVar[str] = contextvars.ContextVar("outer_stack", default="")
+
+
+def _name_stack() -> str:
+    return f"{_OUTER_STACK.get()}/{ji.current_name_stack()}"
+
+
+def _in_scope(fn: Callable) -> Callable:
+    """`fn`, traced later, seeing the name stack of where it was made as its outer one."""
+    outer = _name_stack()
+
+    @functools.wraps(fn)
+    def inner(*args):
+        token = _OUTER_STACK.set(outer)
+        try:
+            return fn(*args)
+        finally:
+            _OUTER_STACK.reset(token)
+
+    return inner
+
+
+def matmul_scope(
+    matmul_dtype: Any, fp8_scaling: str = "tensor"
+) -> contextlib.AbstractContextManager:
+    """Marks the products traced inside it for `matmuls_in(..., scoped=True)`.
+
+    They take `matmul_dtype` (None: as written; FP8 with `fp8_scaling`)
+    whatever the code around them takes.
+    """
+    name = "none" if matmul_dtype is None else np.dtype(matmul_dtype).name
+    return jax.named_scope(f"{_SCOPE}{name}_{fp8_scaling}")
+
+
+def _scoped_matmul_dtype(rules: _Rules) -> tuple[np.dtype | None, str]:
+    """The innermost scope's `(matmul dtype, FP8 scaling)`, else the rules' own."""
+    names = _SCOPE_NAME.findall(_name_stack())
+    if not names:
+        return rules.matmul_dtype, rules.fp8_scaling
+    dtype, _, scaling = names[-1].rpartition("_")
+    return (None if dtype == "none" else np.dtype(dtype)), scaling
+
+
 def _matmul_dtype_product(eqn, invals, rules):
     """A dot_general under the policy's matmul dtype, or None where that does not apply."""
-    m = rules.matmul_dtype
+    if rules.scoped:
+        m, scaling = _scoped_matmul_dtype(rules)
+    else:
+        m, scaling = rules.matmul_dtype, rules.fp8_scaling
     if m is None or eqn.primitive is not ji.dot_general_p:
         return None  # Convolutions run in the compute dtype, also under FP8.
     lhs, rhs = invals
@@ -230,7 +293,7 @@ def _matmul_dtype_product(eqn, invals, rules):
     if rules.products == "vjp":
         if m == _E4M3:
             p = eqn.params
-            return fp8_product(lhs, rhs, p["dimension_numbers"], out_dtype, rules.fp8_scaling,
+            return fp8_product(lhs, rhs, p["dimension_numbers"], out_dtype, scaling,
                                p["precision"], p.get("out_sharding"))  # fmt: skip
         return accumulating_product(product, lhs, rhs, m, out_dtype)
     if m == _E4M3:
@@ -244,6 +307,8 @@ def _product_rule(eqn, invals, rules):
     out = _matmul_dtype_product(eqn, invals, rules)
     if out is not None:
         return out
+    if rules.scoped:
+        return ji.bind(eqn, _as_original(eqn, invals))  # No matmul dtype here.
     lhs, rhs = invals
     c, out_dtype = rules.compute_dtype, eqn.outvars[0].aval.dtype
     if out_dtype == c:
@@ -361,21 +426,27 @@ def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def matmuls_in(fn: Callable, matmul_dtype: Any, fp8_scaling: str = "tensor") -> Callable:
+def matmuls_in(
+    fn: Callable, matmul_dtype: Any, fp8_scaling: str = "tensor", *, scoped: bool = False
+) -> Callable:
     """`fn` with every `dot_general` taking `matmul_dtype`'s product; all else as written.
 
-    For code with no `dot_general` hook (NNX's attention einsums): half
-    operands with float32 accumulation, or FP8 (`fp8_dot_general`, with
-    `fp8_scaling`), forward and backward. Each product keeps the result dtype
-    of the traced program. Array arguments are traced, anything else is static.
+    For code with no `dot_general` hook (`jnp.einsum` and `@` in model code,
+    attention): half operands with float32 accumulation, or FP8
+    (`fp8_dot_general`, with `fp8_scaling`), forward and backward. Each
+    product keeps the result dtype of the traced program. With `scoped`, a
+    product traced inside `matmul_scope(d)` takes `d` instead (None: as
+    written), the innermost scope winning; `matmul_dtype` may then be None.
+    Array arguments are traced, anything else is static.
     """
     rules = _Rules(
         compute_dtype=_F32,
         half=frozenset({"dot_general"}),
         float32=frozenset(),
         promote=frozenset(),
-        matmul_dtype=np.dtype(matmul_dtype),
+        matmul_dtype=None if matmul_dtype is None else np.dtype(matmul_dtype),
         fp8_scaling=fp8_scaling,
+        scoped=scoped,
     )
 
     @functools.wraps(fn)

@@ -117,6 +117,11 @@ def name_stack(eqn: JaxprEqn) -> str:
     return str(eqn.source_info.name_stack)
 
 
+def current_name_stack() -> str:
+    """The name stack of the code being traced now (relative to the innermost trace)."""
+    return str(jex.source_info_util.current_name_stack())
+
+
 def _read(env: dict[Any, Any], v: Any) -> Any:
     if isinstance(v, jex.core.Literal):
         val, dtype = v.val, shaped(v).dtype

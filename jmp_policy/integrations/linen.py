@@ -3,12 +3,14 @@
 Flax linen modules take `dtype` (computation) and `param_dtype` (storage)
 attributes. `with_policy` sets them on every module as it is called, through
 a linen method interceptor, so a model written without precision in mind
-runs under any policy. A layer's floating inputs are cast to its compute
-dtype as well: without that, the float32 output of a float32 LayerNorm would
-promote the next matmul back to float32 (a silent loss of Tensor Cores). A
-module of the user's own without a `dtype` attribute gets its inputs as
-given (its plain `jnp` maths may need their precision), and the carries of
-lifted loops (`nn.scan`, `nn.RNN`, `nn.while_loop`) keep their dtypes.
+runs under any policy, as its own hand-written half-precision config would:
+Flax's layers cast what they compute with, values moving between modules
+keep their dtypes (`jmp_policy.integrations.casting` decides, for linen and
+NNX alike), and the carries of lifted loops (`nn.scan`, `nn.RNN`,
+`nn.while_loop`) keep theirs. Under a matmul dtype the call is rewritten at
+the level of operations (`matmuls_in`) so that every product takes it; a
+module whose rule changes the matmul dtype marks its products with a name
+scope (`matmul_scope`).
 """
 
 from __future__ import annotations
@@ -19,18 +21,16 @@ import dataclasses
 import functools
 import inspect
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from jmp_policy.core.autocast import matmuls_in
-from jmp_policy.core.matmul import matmul_dot_general
+from jmp_policy.core.autocast import matmul_scope, matmuls_in
 from jmp_policy.core.policy import Policy, get_policy
+from jmp_policy.integrations import casting
 from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_names
 
 # The policy of the module being called; children without a rule inherit it.
@@ -42,6 +42,7 @@ class _Call:
     """What one call of a wrapped function records and needs while it runs."""
 
     keep_inputs: frozenset[str]
+    rewrite: bool = False  # Products take matmul dtypes through the op-level rewrite.
     top: bool = True  # The next intercepted call is the model's own (its inputs).
     paths: set[str] = dataclasses.field(default_factory=set)  # Module paths seen.
     matched: set[str] = dataclasses.field(default_factory=set)  # Path patterns matched.
@@ -51,10 +52,6 @@ class _Call:
 
 _CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("call")
 _LINEN_ENTRIES = ("apply", "init", "init_with_output")
-# Flax's norms lift half inputs to float32 statistics with `jnp.promote_types`,
-# which strict dtype promotion rejects; they are written for standard promotion
-# (equinox runs its norms the same way).
-_FLAX_NORMS = (nn.BatchNorm, nn.GroupNorm, nn.InstanceNorm, nn.LayerNorm, nn.RMSNorm)
 # Norms whose only variables are parameters; under a half policy they are
 # recomputed in the backward pass (see `with_policy`). Exact classes: a
 # subclass may add state or submodules.
@@ -70,70 +67,6 @@ def _module_policy(
     policy, named = rules.policy_for(module, "/".join(path), inherited, call.matched)
     call.owners[path] = policy
     return policy, named
-
-
-def _is_complex(dtype: Any) -> bool:
-    try:
-        return dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating)
-    except TypeError:
-        return False
-
-
-def _keeps_its_dtypes(module: nn.Module) -> bool:
-    # A complex layer (`dtype` or `param_dtype` complex): a real policy dtype
-    # would silently drop the imaginary part of its inputs and parameters.
-    return any(_is_complex(getattr(module, k, None)) for k in ("dtype", "param_dtype"))
-
-
-def _is_layer(module: nn.Module) -> bool:
-    """A Flax module (`nn.Dense`, `nn.Dropout`, ...) or any module with a `dtype` attribute."""
-    return hasattr(module, "dtype") or type(module).__module__.split(".")[0] == "flax"
-
-
-def _attribute_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
-    if _keeps_its_dtypes(module):
-        return {}
-    overrides = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
-    return {k: v for k, v in overrides.items() if hasattr(module, k)}
-
-
-def _attention_fn_with(attention_fn: Callable, policy: Policy) -> Callable:
-    """`attention_fn` with its two einsums taking the policy's matmul dtype."""
-    dot_general = matmul_dot_general(policy.matmul_dtype, policy.fp8_scaling)
-    try:
-        takes_dot_general = "einsum_dot_general" in inspect.signature(attention_fn).parameters
-    except (TypeError, ValueError):
-        takes_dot_general = False
-    if takes_dot_general:  # nn.dot_product_attention, or a partial of it.
-        return functools.partial(attention_fn, einsum_dot_general=dot_general)
-    return matmuls_in(attention_fn, policy.matmul_dtype, policy.fp8_scaling)  # Any other function.
-
-
-def _matmul_overrides(module: nn.Module, policy: Policy) -> dict[str, Any]:
-    """The attributes through which `module` takes the policy's matmul dtype.
-
-    `dot_general` for Dense and DenseGeneral (attention's projections are
-    DenseGeneral children, each under its own policy); attention's
-    `attention_fn` for its two einsums. A `*_cls` factory would win over the
-    injected function in Flax: the policy clears it. Empty without a matmul
-    dtype. Only Flax's layers: a user module's own `dot_general` field is
-    passed on to children that have their own policy (a rule may keep one
-    out of FP8), so it is left alone. `nn.Einsum` has no hook (flax 0.12.8):
-    it multiplies in the compute dtype.
-    """
-    dot_general = matmul_dot_general(policy.matmul_dtype, policy.fp8_scaling)
-    if dot_general is None:
-        return {}
-    overrides: dict[str, Any] = {}
-    if isinstance(module, (nn.Dense, nn.DenseGeneral)):
-        overrides["dot_general"] = dot_general
-        overrides["dot_general_cls"] = None
-    if isinstance(module, nn.MultiHeadDotProductAttention):
-        overrides["attention_fn"] = _attention_fn_with(module.attention_fn, policy)
-        # Flax rejects these together with einsum_dot_general.
-        overrides["qk_attn_weights_einsum_cls"] = None
-        overrides["attn_weights_value_einsum_cls"] = None
-    return overrides
 
 
 # Flax's lifted transforms name themselves in the debug path of the scope they
@@ -165,20 +98,6 @@ def _carry_loop(module: nn.Module) -> str | None:
     return None
 
 
-def _as_given(out: Any, given: Any) -> Any:
-    """`out` with each real floating array in the dtype of its counterpart in `given`."""
-    if str(jax.tree.structure(out)) != str(jax.tree.structure(given)):
-        return out
-
-    def back(o, g):
-        same = getattr(o, "shape", None) == getattr(g, "shape", None)
-        if same and _is_real_float(o) and _is_real_float(g) and o.dtype != g.dtype:
-            return o.astype(g.dtype)
-        return o
-
-    return jax.tree.map(back, out, given)
-
-
 def _restore_carry(loop: str, given_args: tuple, out: Any) -> Any:
     """The body's result with its carry in the dtypes the loop gave it.
 
@@ -191,26 +110,10 @@ def _restore_carry(loop: str, given_args: tuple, out: Any) -> Any:
     if not given_args:
         return out
     if loop == "while_loop":
-        return _as_given(out, given_args[0])
+        return casting.as_given(out, given_args[0])
     if isinstance(out, tuple) and len(out) == 2:
-        return (_as_given(out[0], given_args[0]), out[1])
+        return (casting.as_given(out[0], given_args[0]), out[1])
     return out
-
-
-def _is_real_float(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-        x.dtype, jnp.floating
-    )
-
-
-def _cast_inputs(
-    policy: Policy, args: tuple, kwargs: dict, keep: Callable[[int | str], bool]
-) -> tuple[tuple, dict]:
-    """`args` and `kwargs` with floating inputs cast to compute, except the kept ones."""
-    return (
-        tuple(a if keep(i) else policy.cast_to_compute(a) for i, a in enumerate(args)),
-        {k: v if keep(k) else policy.cast_to_compute(v) for k, v in kwargs.items()},
-    )
 
 
 def _keeper(fn: Callable, names: frozenset[str]) -> Callable[[int | str], bool]:
@@ -268,41 +171,58 @@ def _should_remat(module: nn.Module, method_name: str, policy: Policy) -> bool:
     )
 
 
+def _promotion(module: nn.Module) -> contextlib.AbstractContextManager:
+    """Flax's own layers run under the dtype promotion they are written for.
+
+    Standard: Flax's norms lift half inputs to float32 statistics with
+    `jnp.promote_types`, and its recurrent cells add their half gates to a
+    float32 carry, as a model's own half-precision config does; strict dtype
+    promotion, where the caller set it, would reject both.
+    """
+    if casting.is_flax_module(module) and hasattr(module, "dtype"):
+        return jax.numpy_dtype_promotion("standard")
+    return contextlib.nullcontext()
+
+
 def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
     def interceptor(next_fun, args, kwargs, context):
         # `setup` included: parameters created there (nn.Embed's) must take the
         # module's param dtype, also where a rule changes it.
         module = context.module
         call = _CALL.get()
-        policy, named = _module_policy(module, rules, _ACTIVE_POLICY.get(), call)
-        overrides = _attribute_overrides(module, policy)
-        overrides.update(_matmul_overrides(module, policy))
+        inherited = _ACTIVE_POLICY.get()
+        policy, named = _module_policy(module, rules, inherited, call)
+        overrides = casting.attribute_overrides(module, policy)
+        overrides.update(casting.matmul_overrides(module, policy, rewritten=call.rewrite))
         saved = {name: getattr(module, name) for name in overrides}
         token = _ACTIVE_POLICY.set(policy)
         # The model's own call: the first one, `setup` aside (Flax runs it first).
         top = call.top and context.method_name != "setup"
         call.top = call.top and not top
         given = args
-        # Which inputs are cast (see `with_policy`): a layer's and those of a
-        # module a rule names, the model itself included (but not the
-        # arguments `keep_inputs` names); a module doing its own `jnp` maths
-        # gets what it is given, as in a model written by hand.
+        # Inputs keep their dtypes (the layers cast what they compute with),
+        # except those of a module a rule names, but not the model's
+        # arguments that `keep_inputs` names.
         keep = _keeper(context.orig_method, call.keep_inputs) if top else lambda key: False
-        if (named or _is_layer(module)) and not _keeps_its_dtypes(module):
-            args, kwargs = _cast_inputs(policy, args, kwargs, keep)
+        if casting.casts_inputs(module, named):
+            args, kwargs = casting.cast_inputs(policy, args, kwargs, keep)
         # Linen modules are frozen dataclasses: set the attributes for the
         # duration of this call only, and put the user's values back after.
         for name, value in overrides.items():
             object.__setattr__(module, name, value)
-        promotion = (
-            jax.numpy_dtype_promotion("standard")
-            if isinstance(module, _FLAX_NORMS)
+        # A module whose products take another matmul dtype than its parent's
+        # marks them for the op-level rewrite (see `with_policy`).
+        scope = (
+            matmul_scope(policy.matmul_dtype, policy.fp8_scaling)
+            if call.rewrite
+            and (policy.matmul_dtype, policy.fp8_scaling)
+            != (inherited.matmul_dtype, inherited.fp8_scaling)
             else contextlib.nullcontext()
         )
         try:
             if remat_norms and _should_remat(module, context.method_name, policy):
                 next_fun = _rematerialised(next_fun)
-            with promotion:
+            with _promotion(module), scope:
                 out = next_fun(*args, **kwargs)
             loop = _carry_loop(module)
             return out if loop is None else _restore_carry(loop, given, out)
@@ -352,25 +272,37 @@ def with_policy(
     module computes in the compute dtype (its `dtype` attribute is set for the
     call, also where it was `None` or float32); parameters stay stored in the
     param dtype and are cast inside each module, so gradients come back in the
-    param dtype. The result is cast to the output dtype; mutable collections
-    (`batch_stats`) are returned as the modules keep them (float32).
-    `model.init` and `model.init_with_output` create each parameter in the
-    param dtype of the module that owns it (its rule's, else its parent's),
-    also `self.param(...)` of a module without a `param_dtype` attribute.
+    param dtype. The results are cast to the output dtype, the state the
+    model threads through is not (see below); mutable collections
+    (`batch_stats`, `cache`) are returned as the modules keep them.
+    `model.init` and `model.init_with_output` return `model.init`'s own
+    random draws (also of a parameter drawn in the model's `dtype`, as
+    `self.param(..., self.dtype)`), each cast to the param dtype of the
+    module that owns it (its rule's, else its parent's); the other
+    collections (a decode cache) are made under the policy.
 
-    Which inputs are cast to the compute dtype: those of a *layer* (a Flax
-    module, or any module with a `dtype` attribute) and of a module a rule
-    names, the model itself included (its policy, after rules, decides: with
-    `rules={MyModel: "f32"}` the whole model, inputs included, runs in
-    float32). A module of your own without a `dtype` attribute (plain `jnp`
-    maths, e.g. a sinusoidal timestep embedding) gets what it is given, as in
-    a model written by hand: a diffusion model's float32 timesteps reach it
-    as float32. `keep_inputs` names arguments of the model's own call
-    (`__call__`, or `method=`) that are never cast, for a model that is a
-    layer; `rules={Embedding: "f32"}` keeps one module's maths in float32.
-    Integers, booleans and complex arrays are never cast, and a module whose
-    `dtype` or `param_dtype` is complex keeps both (a complex layer stays
-    complex under any policy).
+    The cast rule is that of the model's own half-precision config (every
+    layer's `dtype` set by hand): layers cast what they compute with (Flax's
+    layers cast their inputs and parameters to `dtype` inside), and no module
+    boundary casts, so values moving between modules (arguments, states,
+    caches, timesteps) keep their dtypes, also into a module or a model with
+    a `dtype` field: a diffusion model's float32 timesteps reach its
+    sinusoidal embedding as float32, a float32 RNN state passed to an inner
+    cell stays float32. Only a module a rule names has its floating inputs
+    cast, to the rule's compute dtype (`rules={MyModel: "f32"}`: the whole
+    model, inputs included, in float32), except the model's arguments that
+    `keep_inputs` names. Integers, booleans and complex arrays are never
+    cast, and a module whose `dtype` or `param_dtype` is complex keeps both.
+    Flax's own layers run under standard dtype promotion (their norms lift
+    half inputs to float32 statistics, their cells add half gates to a
+    float32 carry), also where the caller set strict promotion.
+
+    A tuple result is split into results and state: `(logits, cache)` comes
+    back with the cache in the dtypes it went in (or, made inside the model,
+    as the model made it), `(carry, y)` with the carry in the dtypes given;
+    see `casting.results_to_output`. A decode cache made by the plain
+    `model.init` (float32) does not fit a half model: the dtype error it
+    causes is re-raised as a `TypeError` naming the collection and the fix.
 
     Carries of lifted loops keep the dtypes the model gives them: the body of
     `nn.scan` (also under `nn.remat`/`nn.vmap`, and the cells of `nn.RNN`)
@@ -382,7 +314,7 @@ def with_policy(
     Any other function (a `lambda` around `apply`) has its floating arguments
     cast to compute, except Flax variables (a mapping with a `"params"`
     key, whose `batch_stats` stay float32) and the arguments `keep_inputs`
-    names, and its result cast to output; the modules it calls follow the
+    names, and its results cast to output; the modules it calls follow the
     rules above. An NNX module is refused: use `jmp_policy.nnx`.
 
     Normalisation layers need no rule: Flax's norms compute their statistics
@@ -403,13 +335,15 @@ def with_policy(
     also turn the weights-times-values matmul into float32.
 
     A policy with a `matmul_dtype` (`"p=f32,c=bf16,o=f32,m=bf16"`,
-    `"mixed_float8"`) also sets the products of Flax's `Dense`,
-    `DenseGeneral` (attention's projections) and attention's two einsums
-    (`attention_fn`): `half_dot_general` (float32 accumulation) or
-    `fp8_dot_general`, forward and backward, replacing a `dot_general`
-    wired into those layers; a rule can keep a module out (e.g.
-    `{"head": "mixed_bfloat16"}`). Convolutions and `nn.Einsum` (no hook)
-    run in the compute dtype.
+    `"mixed_float8"`) sets every product of the model: `half_dot_general`
+    (float32 accumulation) or `fp8_dot_general`, forward and backward. The
+    call is rewritten at the level of operations (`matmuls_in`), so Flax's
+    layers, attention, `nn.Einsum`, `Embed.attend`, `nn.OptimizedLSTMCell`
+    and `jnp.einsum`/`@`/`jnp.dot` in model code all take it; a `dot_general`
+    wired into a `Dense` by hand is replaced. A rule can keep a module out
+    (e.g. `{"head": "mixed_bfloat16"}`), also a product the model's author
+    wrote in float32 on purpose (`{"logits": "f32"}`). Convolutions run in
+    the compute dtype.
 
     Rules override the policy per module class or per module path:
 
@@ -433,7 +367,8 @@ def with_policy(
       remat_norms: recompute half-precision norm layers in the backward pass
         rather than save their float32 intermediates.
       keep_inputs: names of arguments of the model's call (or of `fn`, for a
-        plain function) whose floating arrays are passed as given, never cast.
+        plain function) whose floating arrays are passed as given, never cast
+        (for a model, only a rule naming it casts its inputs).
 
     Returns:
       The wrapped function. Jit it (`jax.jit(with_policy(...))`): a jitted
@@ -462,6 +397,66 @@ def with_policy(
     >>> c.dtype, ys.dtype  # The carry as LSTMCell.initialize_carry made it.
     (dtype('float32'), dtype('float32'))
     """
+    _check_function(fn)
+    policy = get_policy(policy)
+    rule_set = RuleSet(rules, nn.Module, "decoder/*/LayerNorm_*")
+    if not isinstance(remat_norms, bool):
+        raise TypeError(f"remat_norms must be True or False, got {remat_norms!r}.")
+    keep_inputs = input_names(keep_inputs)
+    interceptor = _make_interceptor(rule_set, remat_norms)
+    # Products take matmul dtypes through the op-level rewrite only where one is set.
+    rewrite = any(m is not None for m in (policy.matmul_dtype, *rule_set.matmul_dtypes))
+    target, bound_args, bound_kwargs = _unwrap_partial(fn)
+    entry = _linen_entry(target)
+    if entry is None:
+        return _plain_function(fn, policy, interceptor, keep_inputs, rewrite)
+
+    def run(first, args, kwargs):
+        return target(first, *args, **kwargs)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        args, kwargs = (*bound_args, *args), {**bound_kwargs, **kwargs}
+        # The first argument is the variables (apply) or the PRNG key (init):
+        # variables keep their dtypes; modules cast their parameters.
+        first, args, kwargs = _split_first(entry, args, kwargs)
+        # `init`'s products are never seen: only its parameters are kept.
+        call = _Call(keep_inputs=keep_inputs, rewrite=rewrite and entry != "init")
+        call_fn = (
+            matmuls_in(run, policy.matmul_dtype, policy.fp8_scaling, scoped=True)
+            if call.rewrite
+            else run
+        )
+        with _calling(policy, call, interceptor):
+            try:
+                result = call_fn(first, args, kwargs)
+            except (TypeError, ValueError) as e:
+                if entry == "apply":
+                    _explain_state_dtypes(e, first, policy)
+                raise
+        if "method" not in kwargs:
+            # A whole-model call met every module: a pattern that matched none is a typo.
+            rule_set.check_all_matched(call.matched, call.paths, getattr(target, "__self__", None))
+        if entry != "apply":
+            # `model.init`'s own draws (a parameter drawn in the model's
+            # `dtype` would otherwise be drawn in half), cast after.
+            try:
+                plain = target(first, *args, **kwargs)
+            except (TypeError, ValueError):
+                # Arguments only the policy's model takes (a half cache):
+                # the policy's own draws.
+                plain = result
+            return _init_result(entry, result, plain, call.owners, policy)
+        given = casting.arguments(args, kwargs)
+        if _returns_state(kwargs):
+            out, state = result
+            return casting.results_to_output(policy, out, given), state
+        return casting.results_to_output(policy, result, given)
+
+    return wrapped
+
+
+def _check_function(fn: Any) -> None:
     if hasattr(fn, "lower") and hasattr(fn, "__wrapped__"):
         raise TypeError(
             "with_policy got a jitted function, whose cached traces would ignore "
@@ -476,60 +471,94 @@ def with_policy(
             f"plain functions, got the NNX module {name}; use jmp_policy.nnx.with_policy"
             "(model, policy) or jmp_policy.nnx.PolicyModule(model, policy)."
         )
-    policy = get_policy(policy)
-    rule_set = RuleSet(rules, nn.Module, "decoder/*/LayerNorm_*")
-    if not isinstance(remat_norms, bool):
-        raise TypeError(f"remat_norms must be True or False, got {remat_norms!r}.")
-    keep_inputs = input_names(keep_inputs)
-    interceptor = _make_interceptor(rule_set, remat_norms)
-    target, bound_args, bound_kwargs = _unwrap_partial(fn)
-    entry = _linen_entry(target)
-    if entry is None:
-        target, bound_args, bound_kwargs = fn, (), {}
-        keep = _keeper(fn, keep_inputs)
+
+
+@contextlib.contextmanager
+def _calling(policy: Policy, call: _Call, interceptor: Callable) -> Iterator[None]:
+    """The context of one call of a wrapped function: its policy, its record, the interceptor."""
+    token = _ACTIVE_POLICY.set(policy)
+    call_token = _CALL.set(call)
+    try:
+        with nn.intercept_methods(interceptor):
+            yield
+    finally:
+        _ACTIVE_POLICY.reset(token)
+        _CALL.reset(call_token)
+
+
+def _plain_function(
+    fn: Callable, policy: Policy, interceptor: Callable, keep_inputs: frozenset[str], rewrite: bool
+) -> Callable:
+    """`with_policy` of a function that is not a linen entry point (a `lambda` around apply)."""
+    keep = _keeper(fn, keep_inputs)
+    call_fn = (
+        matmuls_in(fn, policy.matmul_dtype, policy.fp8_scaling, scoped=True) if rewrite else fn
+    )
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        args, kwargs = (*bound_args, *args), {**bound_kwargs, **kwargs}
-        token = _ACTIVE_POLICY.set(policy)
-        call = _Call(keep_inputs=keep_inputs if entry is not None else frozenset())
-        call_token = _CALL.set(call)
-        try:
-            with nn.intercept_methods(interceptor):
-                if entry is None:
-                    _refuse_nnx_modules(args, kwargs)
-                    # The function's floating arguments are its inputs, except
-                    # Flax variables (a mapping with "params"): modules cast
-                    # their parameters themselves, and `batch_stats` stay float32.
-                    call.top = False
-                    args, kwargs = _cast_inputs(
-                        policy, args, kwargs, lambda k: keep(k) or _is_variables((args, kwargs), k)
-                    )
-                    return policy.cast_to_output(target(*args, **kwargs))
-                # The first argument is the variables (apply) or the PRNG key
-                # (init): variables keep their dtypes; modules cast parameters.
-                # The model's inputs are cast by its root module's policy.
-                first, args, kwargs = _split_first(entry, args, kwargs)
-                result = target(first, *args, **kwargs)
-        finally:
-            _ACTIVE_POLICY.reset(token)
-            _CALL.reset(call_token)
-        if "method" not in kwargs:
-            # A whole-model call met every module: a pattern that matched none is a typo.
-            rule_set.check_all_matched(call.matched, call.paths, getattr(target, "__self__", None))
-        if entry == "init":
-            return _params_to_owner_dtypes(result, call.owners, policy)
-        if entry == "init_with_output":
-            out, variables = result
-            return policy.cast_to_output(out), _params_to_owner_dtypes(
-                variables, call.owners, policy
-            )
-        if _returns_state(kwargs):
-            out, state = result
-            return policy.cast_to_output(out), state
-        return policy.cast_to_output(result)
+        _refuse_nnx_modules(args, kwargs)
+        # The function's floating arguments are its inputs, except Flax
+        # variables (a mapping with "params"): modules cast their parameters
+        # themselves, and `batch_stats` stay float32.
+        args, kwargs = casting.cast_inputs(
+            policy, args, kwargs, lambda k: keep(k) or _is_variables((args, kwargs), k)
+        )
+        with _calling(policy, _Call(frozenset(), rewrite=rewrite, top=False), interceptor):
+            out = call_fn(*args, **kwargs)
+        return casting.results_to_output(policy, out, casting.arguments(args, kwargs))
 
     return wrapped
+
+
+def _init_result(
+    entry: str, result: Any, plain: Any, owners: dict[tuple[str, ...], Policy], policy: Policy
+) -> Any:
+    """`init`'s result: the parameters `model.init` drew, the other collections the policy's."""
+    if entry == "init":
+        return _with_params_of(result, plain, owners, policy)
+    (out, variables), (_, plain_variables) = result, plain
+    return (
+        casting.results_to_output(policy, out, ()),
+        _with_params_of(variables, plain_variables, owners, policy),
+    )
+
+
+def _with_params_of(
+    variables: Any, plain: Any, owners: dict[tuple[str, ...], Policy], policy: Policy
+) -> Any:
+    if "params" not in variables or "params" not in plain:
+        return variables
+    return _params_to_owner_dtypes({**variables, "params": plain["params"]}, owners, policy)
+
+
+def _explain_state_dtypes(error: Exception, variables: Any, policy: Policy) -> None:
+    """Raises a `TypeError` naming the collections, if a dtype error may come from them.
+
+    A decode cache made by the plain `model.init` is float32; under a half
+    policy the model writes half keys and values into it, and Flax's
+    `dynamic_update_slice` fails with a message naming neither.
+    """
+    if "dtype" not in str(error) or not isinstance(variables, Mapping):
+        return
+    c = policy.compute_dtype
+    mismatched = {}
+    for name, tree in variables.items():
+        if name in ("params", "batch_stats"):
+            continue
+        dtypes = {str(x.dtype) for x in jax.tree.leaves(tree) if casting.is_real_float(x)}
+        if dtypes - {c.name}:
+            mismatched[name] = sorted(dtypes)
+    if not mismatched:
+        return
+    names = ", ".join(f"{k!r} ({', '.join(v)})" for k, v in mismatched.items())
+    raise TypeError(
+        f"with_policy: the model computes in {c.name} under {policy}, and the "
+        f"collections {names} do not fit it (a decode cache made by the plain "
+        "model.init is float32): make them with jmp_policy.with_policy(model.init, "
+        "policy), as the hand-written half-precision model would, or cast them, e.g. "
+        f"jax.tree.map(lambda x: x.astype(jnp.{c.name}), variables[{next(iter(mismatched))!r}])."
+    ) from error
 
 
 def _unwrap_partial(fn: Callable) -> tuple[Callable, tuple, dict]:

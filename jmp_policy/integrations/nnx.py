@@ -7,8 +7,9 @@ whose `nnx.Param`s are cast to the param dtype. Flax's NNX layers cast their
 inputs and parameters to `dtype` on every call (`promote_dtype`), so a float32
 LayerNorm does not make the next matmul float32: the next Linear casts the
 norm's output back. Norms are therefore left in float32 by default.
-`PolicyModule` adds the policy's casts at the model's boundary: inputs to
-compute, result to output.
+`PolicyModule` adds the policy at the model's boundary: results to output
+(state keeps its dtype), and every product in the matmul dtype. What is cast
+is decided with the linen integration in `jmp_policy.integrations.casting`.
 
 Both are plain NNX modules: they work under `nnx.jit`, `nnx.value_and_grad`
 and `nnx.Optimizer`, and as the dtypes are static attributes, a jitted step
@@ -24,15 +25,14 @@ from typing import Any, TypeVar, cast
 
 import flax
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jmp_policy.core.autocast import matmuls_in
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
-from jmp_policy.core.matmul import matmul_dot_general
 from jmp_policy.core.policy import Policy, get_policy
+from jmp_policy.integrations import casting
 from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_names
 
 M = TypeVar("M", bound=nnx.Module)
@@ -50,32 +50,6 @@ def _norm_policy(policy: Policy) -> Policy:
     if policy.compute_dtype.itemsize >= 4:
         return policy
     return policy.with_compute_dtype(np.float32)
-
-
-def _matmul_overrides(module: nnx.Module, policy: Policy) -> dict[str, Any]:
-    """The attributes through which `module` takes the policy's matmul dtype.
-
-    `dot_general` for Linear and LinearGeneral (attention's projections are
-    LinearGeneral submodules, each under its own policy); `einsum_op` for
-    Einsum; attention's `attention_fn` for its two einsums (NNX's
-    `dot_product_attention` has no dot_general hook: its products are
-    rewritten by `matmuls_in`). Empty without a matmul dtype.
-    """
-    dot_general = matmul_dot_general(policy.matmul_dtype, policy.fp8_scaling)
-    if dot_general is None:
-        return {}
-    overrides: dict[str, Any] = {}
-    if isinstance(module, (nnx.Linear, nnx.LinearGeneral)):
-        overrides["dot_general"] = dot_general
-        if hasattr(module, "dot_general_cls"):
-            overrides["dot_general_cls"] = None  # Flax prefers the factory.
-    if isinstance(module, nnx.Einsum):
-        overrides["einsum_op"] = functools.partial(jnp.einsum, _dot_general=dot_general)
-    if isinstance(module, nnx.MultiHeadAttention):
-        overrides["attention_fn"] = matmuls_in(
-            module.attention_fn, policy.matmul_dtype, policy.fp8_scaling
-        )
-    return overrides
 
 
 def _path_str(path: PathParts) -> str:
@@ -109,23 +83,6 @@ def _module_policies(
         resolved[path] = best
     rules.check_all_matched(matched, (_path_str(p) for p in modules), module)
     return resolved, named_paths
-
-
-def _is_complex(dtype: Any) -> bool:
-    try:
-        return dtype is not None and np.issubdtype(np.dtype(dtype), np.complexfloating)
-    except TypeError:
-        return False
-
-
-def _keeps_its_dtypes(module: nnx.Module) -> bool:
-    # A complex layer: a real policy dtype would drop the imaginary part.
-    return any(_is_complex(getattr(module, k, None)) for k in ("dtype", "param_dtype"))
-
-
-def _is_layer(module: nnx.Module) -> bool:
-    """A Flax module or any module with a `dtype` attribute (it computes in it)."""
-    return hasattr(module, "dtype") or type(module).__module__.split(".")[0] == "flax"
 
 
 def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) -> M:
@@ -224,13 +181,13 @@ def _with_policy(
     policies, named = _module_policies(mixed, rule_set, policy)
     modules = dict(nnx.iter_modules(mixed))
     for path, sub in modules.items():
-        if _keeps_its_dtypes(sub):
+        if casting.keeps_its_dtypes(sub):
             continue  # Complex parameters are left alone by `cast_to_param` too.
         p = policies[path]
         for name, dtype in (("dtype", p.compute_dtype), ("param_dtype", p.param_dtype)):
             if hasattr(sub, name):
                 setattr(sub, name, dtype)
-        for name, value in _matmul_overrides(sub, p).items():
+        for name, value in casting.matmul_overrides(sub, p).items():
             setattr(sub, name, value)
     for path, node in nnx.iter_graph(mixed):
         if isinstance(node, nnx.Param):
@@ -247,15 +204,18 @@ class PolicyModule(nnx.Module):
     `PolicyModule(module, policy, rules=...)` holds `with_policy(module,
     policy, rules=rules)` as `.module` (a copy: `module` is left unchanged).
     Calling it calls the module and casts the floating results to the output
-    dtype. The floating arguments are cast to the compute dtype of the
-    module's own policy (after rules) when the module is a layer (a Flax
-    module, or one with a `dtype` attribute) or a rule names it, as
-    `jmp_policy.with_policy` does for a linen `model.apply`; a model of your
-    own without a `dtype` attribute gets its inputs as given, so plain `jnp`
-    maths on them (a diffusion model's timestep embedding) keeps their
-    precision, and its NNX layers cast what reaches them. Arguments that
-    `keep_inputs` names are never cast; integers (token ids), booleans and
-    complex arrays never are. Its state is the module's under the prefix
+    dtype; state it returns keeps its dtype (`(logits, cache)`: the cache
+    comes back in the dtypes it went in, see `jmp_policy.with_policy`). The
+    arguments are passed as given, as to the model's own half-precision
+    config: NNX layers cast what they compute with, so plain `jnp` maths on
+    the inputs (a diffusion model's timestep embedding) keeps their
+    precision. Only where a rule names the module are its floating arguments
+    cast to the rule's compute dtype, except those `keep_inputs` names;
+    integers, booleans and complex arrays never are. Where one matmul dtype
+    holds for the whole model, the call is rewritten at the level of
+    operations (`matmuls_in`), so every product takes it (`@` and
+    `jnp.einsum` in model code, attention); with a rule that changes it,
+    only NNX's layers do. Its state is the module's under the prefix
     `module`; call other methods through `.module`.
 
     Under `nnx.scan` the loop carry must keep its dtype: a rule that puts a
@@ -268,7 +228,8 @@ class PolicyModule(nnx.Module):
       module: the `nnx.Module` to run under the policy.
       policy: a `Policy` or a spec such as `"mixed_bfloat16"`.
       rules: optional per-class or per-path rules, as in `with_policy`.
-      keep_inputs: names of arguments of `module.__call__` never cast.
+      keep_inputs: names of arguments of `module.__call__` never cast (where
+        a rule names the module, the only case its inputs are cast).
 
     Raises:
       TypeError, ValueError: as `with_policy`; TypeError if `keep_inputs` is
@@ -304,8 +265,15 @@ class PolicyModule(nnx.Module):
         # The model's inputs are cast as any layer's: by its own policy (a
         # rule on the model decides), if it is a layer or a rule names it.
         root = self.module
-        casts = (() in named or _is_layer(root)) and not _keeps_its_dtypes(root)
+        casts = casting.casts_inputs(root, () in named)
         self.input_policy = policies[()] if casts else None
+        # Every product takes the matmul dtype through the op-level rewrite of
+        # the call, where one matmul dtype holds for the whole model (NNX has
+        # no interceptors to mark a module that a rule keeps out).
+        matmuls = {(p.matmul_dtype, p.fp8_scaling) for p in policies.values()}
+        self.rewrite_matmul = next(iter(matmuls)) if len(matmuls) == 1 else None
+        if self.rewrite_matmul is not None and self.rewrite_matmul[0] is None:
+            self.rewrite_matmul = None
         self.keep_inputs = input_names(keep_inputs)
         self._positional = _positional_names(type(root).__call__, self.keep_inputs)
         # Modules a rule puts in another compute dtype than their parent's: the
@@ -336,7 +304,11 @@ class PolicyModule(nnx.Module):
                 for k, v in kwargs.items()
             }
         try:
-            out = self.module(*args, **kwargs)
+            if self.rewrite_matmul is None:
+                out = self.module(*args, **kwargs)
+            else:
+                rewritten = functools.partial(_with_matmuls, matmul=self.rewrite_matmul)
+                out = autocast_with_state(rewritten, self.module, args, kwargs)
         except TypeError as e:
             if (
                 "carry input and carry output must have equal types" not in str(e)
@@ -350,7 +322,11 @@ class PolicyModule(nnx.Module):
                 "cast the carry back in the loop body (e.g. `return block(x).astype(x.dtype)`), "
                 "or drop the rule."
             ) from e
-        return self.policy.cast_to_output(out)
+        return casting.results_to_output(self.policy, out, casting.arguments(args, kwargs))
+
+
+def _with_matmuls(fn: Callable, args: tuple, kwargs: dict, *, matmul: tuple[Any, str]) -> Any:
+    return matmuls_in(fn, *matmul)(*args, **kwargs)
 
 
 def _positional_names(method: Callable, names: frozenset[str]) -> tuple[str, ...]:

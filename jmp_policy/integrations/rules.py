@@ -68,6 +68,11 @@ class RuleSet:
         """The param dtypes the rules name."""
         return {p.param_dtype for _, p in self.rules}
 
+    @property
+    def matmul_dtypes(self) -> set:
+        """The matmul dtypes the rules name (None included)."""
+        return {p.matmul_dtype for _, p in self.rules}
+
     def policy_for(
         self, module: object, path: str, inherited: Policy, matched: set[str] | None = None
     ) -> tuple[Policy, bool]:

@@ -63,10 +63,9 @@ def loss(apply, variables, batch, rng):
     return jnp.mean((pred - batch["eps"]) ** 2), {}
 
 
-# float16 holds integers exactly up to 2048: its timesteps survive the cast.
-# The root has a `dtype` field (a layer to `with_policy`): the timesteps are
-# kept as given by name, the documented way.
-LINEN = [LinenSpec("diffusion", Denoiser, data, loss, keep_inputs=("t",))]
+# The root has a `dtype` field, as most Flax models: its timesteps reach the
+# plain-jnp embedding as given (no module boundary casts), with no rule.
+LINEN = [LinenSpec("diffusion", Denoiser, data, loss)]
 
 
 class NnxDenoiser(nnx.Module):

@@ -1,0 +1,137 @@
+"""How long the train step takes to trace and lower, relative to Flax's hand-written bf16 model.
+
+What it measures
+----------------
+The README's train step (`loss_scaled(adam, NoOpLossScale())`, value and
+gradient of the loss) of the benchmark's linen Transformer LM
+(`_transformer_lm.py`) at 12 layers of width 128, batch 16 x 32 tokens,
+lowered with `jax.jit(step).lower(...)` (tracing and lowering to StableHLO,
+no XLA compilation), in four variants:
+
+  flax dtype=bf16     `dtype=jnp.bfloat16` on every Flax layer by hand, plain
+                      `model.apply`: the reference, 1.00
+  with_policy         `with_policy(model.apply, "mixed_bfloat16")`
+  with_policy m=bf16  `with_policy(model.apply, "p=f32,c=bf16,o=f32,m=bf16")`:
+                      every product through the op-level rewrite
+  autocast            `autocast(model.apply, "mixed_bfloat16")`
+
+Each round lowers every variant once, a new `jax.jit` each time (no cached
+trace), in an order that rotates from round to round; the figure is the
+median over the rounds of each round's ratio to the reference. Targets
+(issue 19): with_policy <= 1.1, m=bf16 <= 1.25, autocast <= 1.4.
+
+Usage::
+
+    jmp-policy bench --only lowering           # 5 rounds, ~2 minutes on 2 CPU cores
+    jmp-policy bench --only lowering --quick   # 2 rounds
+    python -m jmp_policy.app.benchmarks.lowering --depth 2 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jmp_policy
+from jmp_policy.app.benchmarks import _transformer_lm
+
+REFERENCE = "flax dtype=bf16"
+TARGETS = {"with_policy": 1.1, "with_policy m=bf16": 1.25, "autocast": 1.4}
+
+
+def make_step(apply: Callable, tx: optax.GradientTransformation) -> Callable:
+    """The README's train step around `apply` (not jitted)."""
+
+    def step(params, opt_state, batch):
+        loss_scale = jmp_policy.get_loss_scale(opt_state)
+
+        def scaled_loss(p):
+            loss = _transformer_lm.loss_fn(apply, p, batch)
+            return loss_scale.scale(loss), loss
+
+        grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def variants(vocab_size: int, depth: int, width: int) -> dict[str, Callable]:
+    """`{name: apply}` of the four variants."""
+    model = _transformer_lm.make_model(vocab_size, depth=depth, width=width)
+    hand = _transformer_lm.make_model(vocab_size, depth=depth, width=width, dtype=jnp.bfloat16)
+    return {
+        REFERENCE: hand.apply,
+        "with_policy": jmp_policy.with_policy(model.apply, "mixed_bfloat16"),
+        "with_policy m=bf16": jmp_policy.with_policy(model.apply, "p=f32,c=bf16,o=f32,m=bf16"),
+        "autocast": jmp_policy.autocast(model.apply, "mixed_bfloat16"),
+    }
+
+
+def lowering_seconds(step: Callable, *args: Any) -> float:
+    """Seconds to trace and lower a fresh `jax.jit(step)` on `args`."""
+    fresh = lambda *a: step(*a)  # noqa: E731  (a new function: no cached trace)
+    start = time.perf_counter()
+    jax.jit(fresh).lower(*args)
+    return time.perf_counter() - start
+
+
+def measure(rounds: int, depth: int, width: int) -> tuple[list[float], dict[str, list[float]]]:
+    """The reference's seconds and, per variant, its ratio to them in each round
+    (interleaved, in a rotating order)."""
+    _, _, vocab_size = _transformer_lm.make_data(1)
+    batch = jax.ShapeDtypeStruct((_transformer_lm.BATCH, _transformer_lm.SEQ_LEN + 1), jnp.int32)
+    model = _transformer_lm.make_model(vocab_size, depth=depth, width=width)
+    params = jax.eval_shape(
+        model.init, jax.random.key(0), jnp.zeros(batch.shape, jnp.int32)[:, :-1]
+    )
+    params = params["params"]
+    tx = jmp_policy.loss_scaled(optax.adam(1e-3), jmp_policy.NoOpLossScale())
+    opt_state = jax.eval_shape(tx.init, params)
+    steps = {
+        name: make_step(apply, tx) for name, apply in variants(vocab_size, depth, width).items()
+    }
+    names = list(steps)
+    for name in names:  # Warm-up: imports and JAX's own first-use caches.
+        lowering_seconds(steps[name], params, opt_state, batch)
+    ratios: dict[str, list[float]] = {name: [] for name in names if name != REFERENCE}
+    reference_s = []
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        seconds = {name: lowering_seconds(steps[name], params, opt_state, batch) for name in order}
+        for name in ratios:
+            ratios[name].append(seconds[name] / seconds[REFERENCE])
+        reference_s.append(seconds[REFERENCE])
+    return reference_s, ratios
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="2 rounds")
+    parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--width", type=int, default=128)
+    args = parser.parse_args(argv)
+    rounds = 2 if args.quick else args.rounds
+    with jax.numpy_dtype_promotion("standard"):
+        seconds, ratios = measure(rounds, args.depth, args.width)
+    reference_s = statistics.median(seconds)
+    print(
+        f"Train step lowering, {args.depth} layers x width {args.width}, median of {rounds} "
+        f"interleaved rounds; {REFERENCE}: {reference_s:.2f} s = 1.00"
+    )
+    print(f"{'variant':<22}{'ratio':>8}{'target':>8}")
+    for name, values in ratios.items():
+        print(f"{name:<22}{statistics.median(values):>8.2f}{TARGETS[name]:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,217 @@
+"""What a policy casts, decided once for the linen and NNX integrations.
+
+The rule follows what a model's own half-precision config (`dtype=jnp.bfloat16`
+on every layer, by hand) does in Flax:
+
+* Layers compute in the compute dtype: the policy sets each module's `dtype`
+  and `param_dtype` attributes (`attribute_overrides`), and Flax's layers cast
+  their own inputs and parameters where they compute (`promote_dtype`).
+* Values that move between modules (arguments, states, caches, carries,
+  timesteps, coordinates) keep the dtype they were given: no module boundary
+  casts, except that of a module a rule names (`casts_inputs`), which is
+  asked for by the user.
+* What goes in and comes back (a cache, a state, a carry) keeps its dtype:
+  the output dtype applies to a call's results only (`results_to_output`).
+* Under a matmul dtype every product takes it: Flax's dense layers through
+  their `dot_general` hook (`matmul_overrides`, which also replaces a
+  `dot_general` wired in by hand), every other product (`jnp.einsum`, `@`,
+  attention, `nn.Einsum`, third-party layers) through the op-level rewrite of
+  `jmp_policy.core.autocast.matmuls_in`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jmp_policy.core.autocast import matmuls_in
+from jmp_policy.core.matmul import matmul_dot_general
+from jmp_policy.core.policy import Policy
+
+# The dense layers whose `dot_general` hook takes the matmul dtype; `*_cls`
+# factories win over the injected function in Flax, so they are cleared.
+_DENSE = (nn.Dense, nn.DenseGeneral, nnx.Linear, nnx.LinearGeneral)
+
+
+def is_complex(dtype: Any) -> bool:
+    """Whether `dtype` is a complex dtype (False for None or a non-dtype)."""
+    try:
+        return dtype is not None and np.issubdtype(np.dtype(dtype), np.complexfloating)
+    except TypeError:
+        return False
+
+
+def keeps_its_dtypes(module: Any) -> bool:
+    """A complex layer (`dtype` or `param_dtype` complex) keeps both under any policy.
+
+    A real policy dtype would silently drop the imaginary part of its inputs
+    and parameters.
+    """
+    return any(is_complex(getattr(module, k, None)) for k in ("dtype", "param_dtype"))
+
+
+def is_flax_module(module: Any) -> bool:
+    """A module defined by Flax itself (`nn.Dense`, `nnx.LSTMCell`, ...)."""
+    return type(module).__module__.split(".")[0] == "flax"
+
+
+def attribute_overrides(module: Any, policy: Policy) -> dict[str, Any]:
+    """The `dtype` and `param_dtype` attributes a module takes under `policy`."""
+    if keeps_its_dtypes(module):
+        return {}
+    overrides = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
+    return {k: v for k, v in overrides.items() if hasattr(module, k)}
+
+
+def matmul_overrides(module: Any, policy: Policy, *, rewritten: bool = False) -> dict[str, Any]:
+    """The attributes through which a Flax layer takes the policy's matmul dtype.
+
+    `dot_general` for the dense layers (replacing one wired in by hand);
+    linen attention's `einsum_dot_general`, where its `attention_fn` takes
+    one (replacing a hand-wired one too); NNX's `Einsum.einsum_op` and its
+    attention's `attention_fn` (rewritten by `matmuls_in`: NNX has no hook
+    there, and `jmp_policy.nnx.with_policy` no call to rewrite). Empty without
+    a matmul dtype; every other product takes it through the op-level
+    rewrite of the call (`matmuls_in`). With `rewritten` (the call is
+    rewritten), a dense layer multiplying with `lax.dot_general` is left to
+    the rewrite: one product fewer to trace.
+    """
+    dot_general = matmul_dot_general(policy.matmul_dtype, policy.fp8_scaling)
+    if dot_general is None:
+        return {}
+    overrides: dict[str, Any] = {}
+    wired = getattr(module, "dot_general", None) not in (None, lax.dot_general) or (
+        getattr(module, "dot_general_cls", None) is not None
+    )
+    if isinstance(module, _DENSE) and (wired or not rewritten):
+        overrides["dot_general"] = dot_general
+        if hasattr(module, "dot_general_cls"):
+            overrides["dot_general_cls"] = None  # Flax prefers the factory.
+    if isinstance(module, nn.MultiHeadDotProductAttention) and _takes_dot_general(
+        module.attention_fn
+    ):
+        overrides["attention_fn"] = functools.partial(
+            module.attention_fn, einsum_dot_general=dot_general
+        )
+        # Flax rejects these together with einsum_dot_general.
+        overrides["qk_attn_weights_einsum_cls"] = None
+        overrides["attn_weights_value_einsum_cls"] = None
+    if isinstance(module, nnx.Einsum):
+        overrides["einsum_op"] = functools.partial(jnp.einsum, _dot_general=dot_general)
+    if isinstance(module, nnx.MultiHeadAttention):
+        overrides["attention_fn"] = matmuls_in(
+            module.attention_fn, policy.matmul_dtype, policy.fp8_scaling
+        )
+    return overrides
+
+
+def _takes_dot_general(attention_fn: Callable) -> bool:
+    try:
+        return "einsum_dot_general" in inspect.signature(attention_fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def casts_inputs(module: Any, named: bool) -> bool:
+    """Whether a module's floating inputs are cast to its compute dtype at its boundary.
+
+    Only where a rule names the module: everywhere else the layers cast what
+    they compute with, as in a model's own half-precision config.
+    """
+    return named and not keeps_its_dtypes(module)
+
+
+def cast_inputs(
+    policy: Policy, args: tuple, kwargs: dict, keep: Callable[[int | str], bool]
+) -> tuple[tuple, dict]:
+    """`args` and `kwargs` with floating inputs cast to compute, except the kept ones."""
+    return (
+        tuple(a if keep(i) else policy.cast_to_compute(a) for i, a in enumerate(args)),
+        {k: v if keep(k) else policy.cast_to_compute(v) for k, v in kwargs.items()},
+    )
+
+
+def is_real_float(x: Any) -> bool:
+    """A real floating array (jax, numpy or a tracer)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+        x.dtype, jnp.floating
+    )
+
+
+def _same_structure(a: Any, b: Any) -> bool:
+    (la, sa), (lb, sb) = jax.tree.flatten(a), jax.tree.flatten(b)
+    if not la or str(sa) != str(sb):
+        return False
+    return all(getattr(x, "shape", None) == getattr(y, "shape", None) for x, y in zip(la, lb))
+
+
+def as_given(out: Any, given: Any) -> Any:
+    """`out` with each real floating array in the dtype of its counterpart in `given`.
+
+    `out` as is where the two are not the same structure of the same shapes.
+    """
+    if not _same_structure(out, given):
+        return out
+
+    def back(o, g):
+        if is_real_float(o) and is_real_float(g) and o.dtype != g.dtype:
+            return o.astype(g.dtype)
+        return o
+
+    return jax.tree.map(back, out, given)
+
+
+def _given_like(part: Any, given: Sequence[Any]) -> Any | None:
+    """The argument `part` comes from: same structure and shapes, the same dtypes first."""
+    like = [g for g in given if _same_structure(part, g)]
+    dtypes = [getattr(x, "dtype", None) for x in jax.tree.leaves(part)]
+    same = [g for g in like if [getattr(x, "dtype", None) for x in jax.tree.leaves(g)] == dtypes]
+    return (same or like or [None])[0]
+
+
+def results_to_output(policy: Policy, out: Any, given: Sequence[Any]) -> Any:
+    """A call's result with its results in the output dtype and its state as it was.
+
+    A tuple or list result such as `(logits, cache)` or `(carry, y)` is split
+    into results and state. State comes back in the dtypes it went in (that
+    of the argument with its structure and shapes, the same dtypes first), or
+    as the model made it: a part is state if it is a container of arrays (a
+    cache, a carry) that has an argument's structure, a later container (a
+    cache the model made), or a later bare array shaped like an argument. The
+    first bare array is always a result. Results are cast to the output
+    dtype; anything that is not a tuple or list is a result.
+    """
+    if not isinstance(out, (tuple, list)) or len(out) < 2:
+        return policy.cast_to_output(out)
+    parts = []
+    for i, part in enumerate(out):
+        container = _is_container(part)
+        like = _given_like(part, given) if (container or i > 0) else None
+        if like is not None:
+            parts.append(as_given(part, like))
+        elif i > 0 and container:
+            parts.append(part)
+        else:
+            parts.append(policy.cast_to_output(part))
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # A NamedTuple.
+        return type(out)(*parts)
+    return type(out)(parts)
+
+
+def _is_container(x: Any) -> bool:
+    leaves = jax.tree.leaves(x)
+    return bool(leaves) and not (len(leaves) == 1 and leaves[0] is x)
+
+
+def arguments(args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:
+    """The arguments of a call, positional then keyword, for `results_to_output`."""
+    return [*args, *kwargs.values()]
