@@ -408,7 +408,10 @@ def autocast_with_state(run: Callable, fn: Callable, args: tuple, kwargs: dict) 
             full[i] = node
         head, a, k = jax.tree.unflatten(treedef, full)
         out = head(*a, **k) if call is None else call(head, *a, **k)
-        return out, nnx.state(new_nodes)
+        # What a call updates (statistics, PRNG counters): parameters are read
+        # only, and writing them back would fail for a module that a jitted
+        # function closes over.
+        return out, nnx.state(new_nodes, nnx.Not(nnx.Param))
 
     out, new_state = run(pure, (state, others), {})
     nnx.update(nodes, new_state)
