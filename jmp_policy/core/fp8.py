@@ -48,6 +48,7 @@ from jmp_policy.core.matmul import (
     _accumulate_in_float32,
     _check_shapes,
     _result_dtype,
+    call_reverse_mode_only,
     cast,
     dot_product,
     is_float,
@@ -307,13 +308,7 @@ def fp8_product(
         return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
 
     f.defvjp(fwd, bwd)
-    try:
-        return f(lhs, rhs)
-    except TypeError as e:
-        # JAX's own message names neither this library nor a way out.
-        if "forward-mode" not in str(e) or "custom_vjp" not in str(e):
-            raise
-        raise TypeError(_JVP_UNSUPPORTED) from e
+    return call_reverse_mode_only(f, lhs, rhs, _JVP_UNSUPPORTED)
 
 
 _JVP_UNSUPPORTED = (

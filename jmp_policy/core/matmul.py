@@ -191,13 +191,18 @@ def accumulating_product(
         return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
 
     f.defvjp(fwd, bwd)
+    return call_reverse_mode_only(f, lhs, rhs, _JVP_UNSUPPORTED)
+
+
+def call_reverse_mode_only(f: Callable, lhs: Any, rhs: Any, message: str) -> Any:
+    """`f(lhs, rhs)` for a `jax.custom_vjp` `f`; under forward mode, a `TypeError(message)`."""
     try:
         return f(lhs, rhs)
     except TypeError as e:
         # JAX's own message names neither this library nor a way out.
         if "forward-mode" not in str(e) or "custom_vjp" not in str(e):
             raise
-        raise TypeError(_JVP_UNSUPPORTED) from e
+        raise TypeError(message) from e
 
 
 _JVP_UNSUPPORTED = (
