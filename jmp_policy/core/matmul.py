@@ -64,9 +64,9 @@ def widest(dtypes: Iterable[np.dtype]) -> np.dtype:
 # instructions) failed in context: XLA folds transposes around them into a
 # form it rejects. So on the CPU platform every half x half -> f32 dot takes
 # the [B, K, .] form (its cost: benchmarks/cpu_dot.py), and loses any
-# DotAlgorithmPreset: JAX refuses to
-# lower F16_F16_F32 (asked for by jax.nn.dot_product_attention) for CPU, and
-# half operands with float32 accumulation is what the form computes anyway.
+# DotAlgorithmPreset: JAX refuses to lower F16_F16_F32 (asked for by
+# jax.nn.dot_product_attention) for CPU, and half operands with float32
+# accumulation is what the form computes anyway.
 # `lax.platform_dependent` keeps the branch out of GPU and TPU programs, which
 # get the dot as written. JMP_POLICY_CPU_BF16_DOT_WORKAROUND=0 turns it off (to
 # check a newer jaxlib).
@@ -82,15 +82,14 @@ def dot_product(dimension_numbers: Any, precision: Any = None, out_sharding: Any
     """`lax.dot_general` as a `product(lhs, rhs, preferred_element_type)`."""
     dims = jax.tree.map(int, dimension_numbers)
 
-    def dot(a, b, pet):
+    def dot(a, b, pet, precision=precision):
         return lax.dot_general(a, b, dims, precision, pet, out_sharding=out_sharding)
 
     def product(a, b, pet):
         if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize == 1:
             # FP8 operands go into the dot as they are: an algorithm preset
             # (F16_F16_F32) would have JAX convert them to its input type.
-            return lax.dot_general(a, b, dims, _without_algorithm(precision), pet,
-                                   out_sharding=out_sharding)  # fmt: skip
+            return dot(a, b, pet, _without_algorithm(precision))
         half_to_f32 = a.dtype in _HALF_DTYPES and pet == F32 and out_sharding is None
         if not (half_to_f32 and _CPU_BF16_DOT_WORKAROUND):
             return dot(a, b, pet)
