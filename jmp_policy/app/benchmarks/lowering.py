@@ -41,26 +41,10 @@ import optax
 
 import jmp_policy
 from jmp_policy.app.benchmarks import _transformer_lm
+from jmp_policy.app.benchmarks.transformer import train_step
 
 REFERENCE = "flax dtype=bf16"
 TARGETS = {"with_policy": 1.1, "with_policy m=bf16": 1.25, "autocast": 1.4}
-
-
-def make_step(apply: Callable, tx: optax.GradientTransformation) -> Callable:
-    """The README's train step around `apply` (not jitted)."""
-
-    def step(params, opt_state, batch):
-        loss_scale = jmp_policy.get_loss_scale(opt_state)
-
-        def scaled_loss(p):
-            loss = _transformer_lm.loss_fn(apply, p, batch)
-            return loss_scale.scale(loss), loss
-
-        grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
 
 
 def variants(vocab_size: int, depth: int, width: int) -> dict[str, Callable]:
@@ -96,7 +80,8 @@ def measure(rounds: int, depth: int, width: int) -> tuple[list[float], dict[str,
     tx = jmp_policy.loss_scaled(optax.adam(1e-3), jmp_policy.NoOpLossScale())
     opt_state = jax.eval_shape(tx.init, params)
     steps = {
-        name: make_step(apply, tx) for name, apply in variants(vocab_size, depth, width).items()
+        name: train_step(_transformer_lm, apply, tx)
+        for name, apply in variants(vocab_size, depth, width).items()
     }
     names = list(steps)
     for name in names:  # Warm-up: imports and JAX's own first-use caches.

@@ -163,10 +163,9 @@ def itemise(
 # ------------------------------------------------------------------ train step
 
 
-def make_train_step(lm: ModuleType, apply: Callable, tx: optax.GradientTransformation) -> Callable:
-    """The README's train step around `lm.loss_fn(apply, ...)`, jitted."""
+def train_step(lm: ModuleType, apply: Callable, tx: optax.GradientTransformation) -> Callable:
+    """The README's train step around `lm.loss_fn(apply, ...)`, not jitted."""
 
-    @jax.jit
     def step(params, opt_state, batch):
         loss_scale = jmp_policy.get_loss_scale(opt_state)
 
@@ -179,6 +178,11 @@ def make_train_step(lm: ModuleType, apply: Callable, tx: optax.GradientTransform
         return optax.apply_updates(params, updates), opt_state, loss
 
     return step
+
+
+def make_train_step(lm: ModuleType, apply: Callable, tx: optax.GradientTransformation) -> Callable:
+    """`train_step`, jitted."""
+    return jax.jit(train_step(lm, apply, tx))
 
 
 _DOT = re.compile(r"stablehlo\.dot_general.* : \((.*)\) -> (.*)$")
