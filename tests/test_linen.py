@@ -873,6 +873,41 @@ def test_rematerialised_norms_give_the_same_values_and_grads():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+class DeepNorms(nn.Module):
+    """Four LayerNorms of one shape, one with another epsilon, between Dense layers."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(4):
+            x = nn.LayerNorm(epsilon=1e-3 if i == 2 else 1e-6)(nn.Dense(FEATURES)(x))
+        return nn.Dense(4)(x)
+
+
+def test_norms_of_one_program_share_one_rematerialised_trace():
+    params = materialize(jax.eval_shape(DeepNorms().init, jax.random.key(0), NORMS_X)["params"])
+
+    def loss(remat_norms):
+        apply = with_policy(DeepNorms().apply, "mixed_bfloat16", remat_norms=remat_norms)
+        return lambda p: jnp.mean(jnp.square(apply({"params": p}, NORMS_X)))
+
+    eqns = jax.make_jaxpr(loss(True))(params).eqns
+    bodies = [e.params["jaxpr"] for e in eqns if e.primitive.name in ("remat2", "checkpoint")]
+    # Each norm is its own checkpoint, with its own parameters; the three with
+    # the same epsilon run one program, the fourth its own.
+    assert len(bodies) == 4
+    assert len({id(b) for b in bodies}) == 2
+    assert bodies[0] is bodies[1] is bodies[3]
+    shared, plain = jax.jit(
+        lambda: (jax.value_and_grad(loss(True))(params), jax.value_and_grad(loss(False))(params))
+    )()
+    for a, b in zip(jax.tree.leaves(shared), jax.tree.leaves(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # Every norm's parameters get their own gradient.
+    grads = shared[1]
+    scales = [grads[f"LayerNorm_{i}"]["scale"] for i in range(4)]
+    assert all(not np.allclose(scales[i], scales[j]) for i in range(4) for j in range(i))
+
+
 @pytest.mark.parametrize(
     ("policy", "kwargs"),
     [

@@ -26,8 +26,10 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
 from flax import nnx
 
+from jmp_policy.core import jax_internals
 from jmp_policy.core.autocast import matmul_scope, matmuls_in
 from jmp_policy.core.policy import Policy, get_policy
 from jmp_policy.integrations import casting
@@ -48,6 +50,8 @@ class _Call:
     matched: set[str] = dataclasses.field(default_factory=set)  # Path patterns matched.
     # The policy of each module path: parameters are stored in their owner's param dtype.
     owners: dict[tuple[str, ...], Policy] = dataclasses.field(default_factory=dict)
+    # Rematerialised norms by program, shared between layers (see `_rematerialised`).
+    norm_programs: dict[str, Callable] = dataclasses.field(default_factory=dict)
 
 
 _CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("call")
@@ -150,15 +154,40 @@ def _keeper(fn: Callable, names: frozenset[str]) -> Callable[[int | str], bool]:
     return keep
 
 
-def _rematerialised(next_fun: Callable) -> Callable:
+def _rematerialised(next_fun: Callable, traced: dict[str, Callable]) -> Callable:
     """`next_fun` under `jax.checkpoint`: its internals are recomputed, not saved.
 
     Only the norm's (half) input and its parameters are saved for the backward
     pass, instead of the float32 copies of the input that the statistics
     need. Flax lets a module read its variables inside a JAX transform (not
     create them: `_should_remat` leaves those calls alone).
+
+    The norms of a deep model are one program many times over: each call is
+    traced to a jaxpr (its parameters become arguments), and calls with the
+    same jaxpr share one checkpointed function (in `traced`), so JAX
+    differentiates and transposes the rematerialised program once, not per
+    layer.
     """
-    return lambda *args, **kwargs: jax.checkpoint(lambda: next_fun(*args, **kwargs))()
+
+    def checkpointed(*args, **kwargs):
+        inputs = jax.tree.leaves((args, kwargs))
+        if not all(isinstance(x, (jax.Array, np.ndarray)) for x in inputs):
+            # A Python value may steer the norm's code: trace it as it is.
+            return jax.checkpoint(lambda: next_fun(*args, **kwargs))()
+        program, out_shape = jax.make_jaxpr(lambda a, k: next_fun(*a, **k), return_shape=True)(
+            args, kwargs
+        )
+        key = str(program.jaxpr)  # Types, operations and literals; constants are arguments.
+        if key not in traced:
+            traced[key] = functools.partial(_evaluate, program.jaxpr)
+        outs = jax.checkpoint(traced[key])(list(program.consts), inputs)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return checkpointed
+
+
+def _evaluate(jaxpr: jax_internals.Jaxpr, consts: list, args: list) -> list:
+    return jax_internals.eval_jaxpr(jaxpr, consts, args, jax_internals.bind)
 
 
 def _should_remat(module: nn.Module, method_name: str, policy: Policy) -> bool:
@@ -221,7 +250,7 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
         )
         try:
             if remat_norms and _should_remat(module, context.method_name, policy):
-                next_fun = _rematerialised(next_fun)
+                next_fun = _rematerialised(next_fun, call.norm_programs)
             with _promotion(module), scope:
                 out = next_fun(*args, **kwargs)
             loop = _carry_loop(module)
