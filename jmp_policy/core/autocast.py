@@ -44,6 +44,7 @@ import dataclasses
 import difflib
 import functools
 import re
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -55,6 +56,7 @@ from jmp_policy.core.fp8 import E4M3 as _E4M3
 from jmp_policy.core.fp8 import fp8_product
 from jmp_policy.core.matmul import F32 as _F32
 from jmp_policy.core.matmul import (
+    accumulating_dot,
     accumulating_product,
     cast,
     is_float,
@@ -118,6 +120,11 @@ class _Rules:
     # matmul dtype (`matmul_dtype` where there is none); a product whose
     # scope says None runs as written.
     scoped: bool = False
+
+    @property
+    def only_products(self) -> bool:
+        """Only products are rewritten (`matmuls_in`); every other op runs as written."""
+        return not (self.float32 or self.promote)
 
 
 def _as_original(eqn, invals):
@@ -295,7 +302,7 @@ def _matmul_dtype_product(eqn, invals, rules):
             p = eqn.params
             return fp8_product(lhs, rhs, p["dimension_numbers"], out_dtype, scaling,
                                p["precision"], p.get("out_sharding"))  # fmt: skip
-        return accumulating_product(product, lhs, rhs, m, out_dtype)
+        return _accumulating(eqn, product, lhs, rhs, m, out_dtype)
     if m == _E4M3:
         # Inside a JVP rule JAX transposes the products itself, which an
         # unscaled FP8 cast cannot survive: the compute dtype there.
@@ -317,11 +324,44 @@ def _product_rule(eqn, invals, rules):
     product = product_of(eqn)
     if rules.products == "plain" or c.itemsize >= _F32.itemsize:
         return cast(product(cast(lhs, c), cast(rhs, c), _F32), out_dtype)
-    return accumulating_product(product, lhs, rhs, c, out_dtype)
+    return _accumulating(eqn, product, lhs, rhs, c, out_dtype)
+
+
+def _accumulating(eqn, product, lhs, rhs, compute_dtype, out_dtype):
+    """`accumulating_product`; a dot through `accumulating_dot`, traced once per signature."""
+    if eqn.primitive is ji.dot_general_p:
+        p = eqn.params
+        return accumulating_dot(lhs, rhs, p["dimension_numbers"], p["precision"],
+                                p.get("out_sharding"), compute_dtype, out_dtype)  # fmt: skip
+    return accumulating_product(product, lhs, rhs, compute_dtype, out_dtype)
+
+
+# Whether a program (or one nested in it) has an equation of the given primitives.
+_CONTAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _contains(jaxpr: ji.Jaxpr, names: frozenset[str]) -> bool:
+    known = _CONTAINS.setdefault(jaxpr, {})
+    if names not in known:
+        known[names] = any(
+            e.primitive.name in names or any(_contains(j, names) for j in ji.sub_jaxprs(e))
+            for e in jaxpr.eqns
+        )
+    return known[names]
 
 
 def _apply(eqn, invals, rules):
     prim, name = eqn.primitive, eqn.primitive.name
+    nested = prim in _HIGHER_ORDER or ji.is_shard_map(eqn)
+    if (
+        nested
+        and rules.only_products
+        and not any(_contains(j, rules.half) for j in ji.sub_jaxprs(eqn))
+    ):
+        # Under `matmuls_in`, a call, loop or custom rule with no product in
+        # it runs as traced: rewriting would change nothing, and JAX's caches
+        # (keyed on the nested program) then serve every layer.
+        return ji.bind(eqn, _as_original(eqn, invals))
     if prim in _HIGHER_ORDER:
         return _HIGHER_ORDER[prim](eqn, invals, rules)
     if ji.is_shard_map(eqn):

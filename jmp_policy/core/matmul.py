@@ -163,7 +163,63 @@ def accumulating_product(
     saved. Backward: the cotangent is cast to half, each transposed product is
     half x half -> float32, and is cast to its primal's dtype.
     """
-    lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
+    f = _accumulating(product, compute_dtype, out_dtype, lhs.dtype, rhs.dtype, shared=False)
+    return call_reverse_mode_only(f, lhs, rhs, _JVP_UNSUPPORTED)
+
+
+def accumulating_dot(
+    lhs: Any,
+    rhs: Any,
+    dimension_numbers: Any,
+    precision: Any,
+    out_sharding: Any,
+    compute_dtype: np.dtype,
+    out_dtype: np.dtype,
+) -> jax.Array:
+    """`accumulating_product` of `lax.dot_general`, traced once per signature.
+
+    A deep model makes the same products in every layer. Here each signature
+    (dimensions, precision, sharding, dtypes) has one function, whose forward
+    and backward are inlined `jax.jit`s: JAX traces them once (its caches key
+    on the function and the shapes) and inlines the traced program at every
+    call, so the program is the one tracing each product anew would give.
+    """
+    key = (_hashable(dimension_numbers), precision, out_sharding)
+    dtypes = (compute_dtype, out_dtype, lhs.dtype, rhs.dtype)
+    try:
+        # The CPU form's setting too: a trace made under the other one is not reused.
+        f = _shared_accumulating_dot(
+            *key, *map(np.dtype, dtypes), cpu_form=_CPU_BF16_DOT_WORKAROUND
+        )
+    except TypeError:  # An unhashable precision or sharding: traced here.
+        return accumulating_product(dot_product(*key), lhs, rhs, compute_dtype, out_dtype)
+    return call_reverse_mode_only(f, lhs, rhs, _JVP_UNSUPPORTED)
+
+
+def _hashable(dims: Any) -> Any:
+    return tuple(_hashable(d) for d in dims) if isinstance(dims, (tuple, list)) else int(dims)
+
+
+@functools.cache
+def _shared_accumulating_dot(
+    dims: Any, precision: Any, out_sharding: Any, *dtypes: np.dtype, cpu_form: bool
+) -> Callable:
+    del cpu_form  # Only a key: `dot_product` reads the setting as it traces.
+    product = dot_product(dims, precision, out_sharding)
+    return jax.jit(_accumulating(product, *dtypes, shared=True), inline=True)
+
+
+def _accumulating(
+    product: Product,
+    compute_dtype: np.dtype,
+    out_dtype: np.dtype,
+    lhs_dtype: np.dtype,
+    rhs_dtype: np.dtype,
+    *,
+    shared: bool,
+) -> Callable:
+    """The custom-VJP function of `accumulating_product` (its backward an
+    inlined `jax.jit` where the function is `shared` between calls)."""
 
     @jax.custom_vjp
     def f(lhs, rhs):
@@ -173,8 +229,7 @@ def accumulating_product(
         lhs, rhs = cast(lhs, compute_dtype), cast(rhs, compute_dtype)
         return cast(product(lhs, rhs, F32), out_dtype), (lhs, rhs)
 
-    def bwd(res, g):
-        lhs, rhs = res
+    def backward(lhs, rhs, g):
         g = cast(g, compute_dtype)
 
         def transposes(a, b, g):
@@ -189,8 +244,10 @@ def accumulating_product(
         lhs_bar, rhs_bar = ji.eval_jaxpr(closed.jaxpr, closed.consts, args, _accumulate_in_float32)
         return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
 
-    f.defvjp(fwd, bwd)
-    return call_reverse_mode_only(f, lhs, rhs, _JVP_UNSUPPORTED)
+    if shared:
+        backward = jax.jit(backward, inline=True)
+    f.defvjp(fwd, lambda res, g: backward(*res, g))
+    return f
 
 
 def call_reverse_mode_only(f: Callable, lhs: Any, rhs: Any, message: str) -> Any:
@@ -322,8 +379,7 @@ def half_dot_general(
     out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
     compute = _half_compute_dtype(compute_dtype, lhs, rhs)
 
-    product = dot_product(dims, precision, out_sharding)
-    return accumulating_product(product, lhs, rhs, compute, out_dtype)
+    return accumulating_dot(lhs, rhs, dims, precision, out_sharding, compute, out_dtype)
 
 
 def half_conv_general_dilated(
