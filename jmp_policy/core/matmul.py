@@ -184,16 +184,18 @@ def accumulating_dot(
     on the function and the shapes) and inlines the traced program at every
     call, so the program is the one tracing each product anew would give.
     """
-    key = (_hashable(dimension_numbers), precision, out_sharding)
-    dtypes = (compute_dtype, out_dtype, lhs.dtype, rhs.dtype)
-    try:
-        # The CPU form's setting too: a trace made under the other one is not reused.
-        f = _shared_accumulating_dot(
-            *key, *map(np.dtype, dtypes), cpu_form=_CPU_BF16_DOT_WORKAROUND
-        )
-    except TypeError:  # An unhashable precision or sharding: traced here.
-        return accumulating_product(dot_product(*key), lhs, rhs, compute_dtype, out_dtype)
+    f = _shared_accumulating_dot(
+        _hashable(dimension_numbers), precision, out_sharding,
+        *map(np.dtype, (compute_dtype, out_dtype, lhs.dtype, rhs.dtype)),
+        # A trace made under the other setting of the CPU form is not reused.
+        cpu_form=_CPU_BF16_DOT_WORKAROUND,
+    )  # fmt: skip
     return call_reverse_mode_only(f, lhs, rhs, _JVP_UNSUPPORTED)
+
+
+def clear_shared_products() -> None:
+    """Forgets the functions `accumulating_dot` shares: the next trace starts cold."""
+    _shared_accumulating_dot.cache_clear()
 
 
 def _hashable(dims: Any) -> Any:
@@ -244,9 +246,8 @@ def _accumulating(
         lhs_bar, rhs_bar = ji.eval_jaxpr(closed.jaxpr, closed.consts, args, _accumulate_in_float32)
         return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
 
-    if shared:
-        backward = jax.jit(backward, inline=True)
-    f.defvjp(fwd, lambda res, g: backward(*res, g))
+    bwd = jax.jit(backward, inline=True) if shared else backward
+    f.defvjp(fwd, lambda res, g: bwd(*res, g))
     return f
 
 

@@ -1,0 +1,155 @@
+"""Trace time: what a deep model repeats is traced once, and the program stays the same.
+
+A deep model makes the same half products and the same norms in every layer.
+jmp_policy shares their traces: a product with float32 accumulation is one
+function per signature (`matmul.accumulating_dot`), the rematerialised norms
+of one program one checkpointed trace (`tests/test_linen.py`), and the
+`m=bf16` rewrite leaves nested programs without a product as traced. The
+lowering-time figures are `benchmarks/lowering.py`'s; here, that sharing
+happens, that it changes nothing in the program or its values, and that
+what differs (a shape, a dtype, the CPU form's setting) is not shared.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_policy as jmp
+from jmp_policy.core import autocast, matmul
+
+from helpers import assert_bitwise_equal, lowered_ops
+
+DENSE = (((1,), (0,)), ((), ()))
+WIDTH = 16
+
+
+def stack(dot, depth):
+    """A loss of `depth` same-shaped layers, each product through `dot(x, w, dims)`."""
+
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(dot(x, w, DENSE))
+        return jnp.sum(x)
+
+    return loss
+
+
+def operands(depth):
+    keys = jax.random.split(jax.random.key(0), depth + 1)
+    ws = [jax.random.normal(k, (WIDTH, WIDTH)) / 4 for k in keys[1:]]
+    return ws, jax.random.normal(keys[0], (8, WIDTH))
+
+
+def unshared(x, w, dims):
+    """`half_dot_general`'s product traced anew at each call."""
+    product = matmul.dot_product(dims)
+    return matmul.accumulating_product(product, x, w, np.dtype(jnp.bfloat16), x.dtype)
+
+
+def backward_traces(depth):
+    """How many equations the backward products' rewrite runs, tracing `depth` layers."""
+    matmul.clear_shared_products()
+    with mock.patch.object(
+        matmul, "_accumulate_in_float32", wraps=matmul._accumulate_in_float32
+    ) as seen:
+        jax.make_jaxpr(jax.grad(stack(jmp.half_dot_general, depth)))(*operands(depth))
+    return seen.call_count
+
+
+def test_identical_products_trace_their_backward_once():
+    one = backward_traces(1)
+    assert one > 0
+    assert backward_traces(6) == one
+
+
+def test_shared_products_give_the_program_and_values_of_unshared_ones():
+    depth = 4
+    ws, x = operands(depth)
+    grad = lambda dot: jax.jit(jax.value_and_grad(stack(dot, depth)))  # noqa: E731
+    matmul.clear_shared_products()
+    shared_ops = lowered_ops(grad(jmp.half_dot_general), ws, x)
+    plain_ops = lowered_ops(grad(unshared), ws, x)
+    assert [(op.name, op.operands, op.results) for op in shared_ops] == [
+        (op.name, op.operands, op.results) for op in plain_ops
+    ]
+    dots = [op for op in shared_ops if op.name == "dot_general"]
+    # Forward and two backward products per layer, less the input's gradient.
+    assert len(dots) == 3 * depth - 1
+    assert {(op.operand_types, op.result_types) for op in dots} == {(("bf16", "bf16"), ("f32",))}
+    assert_bitwise_equal(grad(jmp.half_dot_general)(ws, x), grad(unshared)(ws, x))
+
+
+@pytest.mark.parametrize(
+    ("other", "why"),
+    [
+        (lambda x, w: jmp.half_dot_general(x, w[:, :8], DENSE), "shape"),
+        (lambda x, w: jmp.half_dot_general(x, w, DENSE, compute_dtype=jnp.float16), "dtype"),
+        (lambda x, w: jmp.half_dot_general(x, w, (((1,), (1,)), ((), ()))), "dimensions"),
+    ],
+)
+def test_what_differs_is_traced_on_its_own(other, why):
+    (w,), x = operands(1)
+    f = lambda x, w: jmp.half_dot_general(x, w, DENSE)  # noqa: E731
+    matmul.clear_shared_products()
+    first = jax.jit(jax.grad(lambda x, w: f(x, w).sum() + other(x, w).sum(), (0, 1)))(x, w)
+    alone = jax.jit(jax.grad(lambda x, w: other(x, w).sum(), (0, 1)))(x, w)
+    plain = jax.jit(jax.grad(lambda x, w: f(x, w).sum(), (0, 1)))(x, w)
+    for a, b, c in zip(first, alone, plain):
+        np.testing.assert_allclose(a, b + c, rtol=1e-5, atol=1e-5, err_msg=why)
+
+
+def test_the_cpu_form_setting_is_not_reused_across(monkeypatch):
+    (w,), x = operands(1)
+    grad = lambda: jax.jit(jax.grad(lambda w: jmp.half_dot_general(x, w, DENSE).sum()))  # noqa: E731
+    matmul.clear_shared_products()
+
+    def scopes():
+        text = grad().lower(w).as_text(debug_info=True)
+        return text.count(matmul.CPU_FORM_SCOPE)
+
+    assert scopes() > 0  # The CPU form, on by default, traced first ...
+    monkeypatch.setattr(matmul, "_CPU_BF16_DOT_WORKAROUND", False)
+    assert scopes() == 0  # ... is not what a trace with it off gets.
+
+
+def test_matmul_rewrite_leaves_product_free_nested_programs_as_traced():
+    # A relu (custom_jvp), a silu (jit) and a checkpointed elementwise block
+    # hold no product: the rewrite binds them as traced instead of running
+    # them through its interpreter, which would change nothing in them.
+    def f(x, w):
+        y = jax.nn.relu(x @ w) + jax.nn.silu(x)
+        return jax.checkpoint(lambda y: jnp.tanh(y) * 2)(y) @ w
+
+    x, w = jnp.ones((4, WIDTH)), jnp.ones((WIDTH, WIDTH))
+    m_bf16 = jmp.with_policy(f, "p=f32,c=f32,o=f32,m=bf16")
+    with mock.patch.object(autocast, "_eval", wraps=autocast._eval) as interpreted:
+        rewritten = jax.make_jaxpr(m_bf16)(x, w)
+    assert interpreted.call_count == 1  # The top-level program only.
+
+    def nested(closed):
+        """The programs held by the equations, as text, by primitive name."""
+        return {
+            e.primitive.name: str(body)
+            for e in closed.jaxpr.eqns
+            for body in e.params.values()
+            if isinstance(body, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))
+        }
+
+    before, after = nested(jax.make_jaxpr(f)(x, w)), nested(rewritten)
+    assert {"custom_jvp_call", "jit", "remat2"} <= set(before)
+    assert all(after[name] == before[name] for name in before)
+    dots = [op for op in lowered_ops(jax.jit(m_bf16), x, w) if op.name == "dot_general"]
+    assert [op.operand_types for op in dots] == [("bf16", "bf16")] * 2
+
+
+def test_a_forward_mode_derivative_still_names_the_way_out():
+    (w,), x = operands(1)
+    matmul.clear_shared_products()
+    with pytest.raises(TypeError, match="Forward-mode differentiation"):
+        jax.jvp(lambda w: jmp.half_dot_general(x, w, DENSE), (w,), (w,))
