@@ -246,7 +246,7 @@ def _accumulating(
         lhs_bar, rhs_bar = ji.eval_jaxpr(closed.jaxpr, closed.consts, args, _accumulate_in_float32)
         return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
 
-    bwd = jax.jit(backward, inline=True) if shared else backward
+    bwd: Callable = jax.jit(backward, inline=True) if shared else backward
     f.defvjp(fwd, lambda res, g: bwd(*res, g))
     return f
 
