@@ -99,6 +99,15 @@ def sub_jaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
                 yield v
 
 
+def has_custom_rules(jaxpr: Jaxpr) -> bool:
+    """Whether the program, or one nested in it, has a `custom_jvp` or `custom_vjp` call."""
+    return any(
+        eqn.primitive.name in ("custom_jvp_call", "custom_vjp_call")
+        or any(has_custom_rules(j) for j in sub_jaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )
+
+
 def shaped(var: Any) -> jax.core.ShapedArray:
     """The abstract value (shape, dtype, weak type) of a jaxpr variable or literal."""
     aval = var.aval

@@ -177,10 +177,12 @@ def _rematerialised(next_fun: Callable, traced: dict[str, Callable]) -> Callable
         program, out_shape = jax.make_jaxpr(lambda a, k: next_fun(*a, **k), return_shape=True)(
             args, kwargs
         )
-        key = str(program.jaxpr)  # Types, operations and literals; constants are arguments.
-        if key not in traced:
-            traced[key] = functools.partial(_evaluate, program.jaxpr)
-        outs = jax.checkpoint(traced[key])(list(program.consts), inputs)
+        # Types, operations and literals; constants are arguments. A custom
+        # derivative's rules are Python functions the text does not show.
+        fn: Callable = functools.partial(_evaluate, program.jaxpr)
+        if not jax_internals.has_custom_rules(program.jaxpr):
+            fn = traced.setdefault(str(program.jaxpr), fn)
+        outs = jax.checkpoint(fn)(list(program.consts), inputs)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return checkpointed
