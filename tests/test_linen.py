@@ -908,6 +908,44 @@ def test_norms_of_one_program_share_one_rematerialised_trace():
     assert all(not np.allclose(scales[i], scales[j]) for i in range(4) for j in range(i))
 
 
+def _scaled_tangent(scale):
+    """The identity, whose derivative is `scale`: a rule the printed program does not show."""
+
+    @jax.custom_jvp
+    def f(x):
+        return x
+
+    f.defjvp(lambda primals, tangents: (primals[0], tangents[0] * scale))
+    return f
+
+
+class NormsWithCustomDerivatives(nn.Module):
+    """Two LayerNorms whose outputs an inner interceptor passes through different rules."""
+
+    @nn.compact
+    def __call__(self, x):
+        def rule(next_fun, args, kwargs, context):
+            out = next_fun(*args, **kwargs)
+            return _scaled_tangent(float(len(context.module.name)))(out)
+
+        with nn.intercept_methods(rule):
+            a = nn.LayerNorm(name="n")(x)
+            b = nn.LayerNorm(name="norm")(x)
+        return jnp.sum(a) + jnp.sum(b * b)
+
+
+def test_norms_with_custom_derivatives_keep_their_own():
+    model = NormsWithCustomDerivatives()
+    params = materialize(jax.eval_shape(model.init, jax.random.key(0), NORMS_X)["params"])
+    grads = [
+        jax.jit(jax.grad(lambda p: with_policy(model.apply, "mixed_bfloat16", remat_norms=r)(
+            {"params": p}, NORMS_X)))(params)
+        for r in (True, False)
+    ]  # fmt: skip
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("policy", "kwargs"),
     [
