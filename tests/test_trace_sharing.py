@@ -3,8 +3,9 @@
 A deep model makes the same half products and the same norms in every layer.
 jmp_policy shares their traces: a product with float32 accumulation is one
 function per signature (`matmul.accumulating_dot`), the rematerialised norms
-of one program one checkpointed trace (`tests/test_linen.py`), and the
-`m=bf16` rewrite leaves nested programs without a product as traced. The
+of one program one checkpointed trace (`tests/test_linen.py`), NNX
+attention one rewrite under a matmul dtype, and the `m=bf16` rewrite leaves
+nested programs without a product as traced. The
 lowering-time figures are `benchmarks/lowering.py`'s; here, that sharing
 happens, that it changes nothing in the program or its values, and that
 what differs (a shape, a dtype, the CPU form's setting) is not shared.
@@ -12,6 +13,7 @@ what differs (a shape, a dtype, the CPU form's setting) is not shared.
 
 from __future__ import annotations
 
+import gc
 from unittest import mock
 
 import jax
@@ -153,3 +155,74 @@ def test_a_forward_mode_derivative_still_names_the_way_out():
     matmul.clear_shared_products()
     with pytest.raises(TypeError, match="Forward-mode differentiation"):
         jax.jvp(lambda w: jmp.half_dot_general(x, w, DENSE), (w,), (w,))
+
+
+def nnx_attention_stack(depth, policy):
+    from flax import nnx
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List(
+                [nnx.MultiHeadAttention(2, WIDTH, decode=False, rngs=rngs) for _ in range(depth)]
+            )
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = x + layer(x)
+            return x
+
+    return jmp.nnx.with_policy(Stack(nnx.Rngs(0)), policy)
+
+
+@jax.numpy_dtype_promotion("standard")  # jax.nn's attention mixes bf16 and f32.
+def test_nnx_attention_of_every_layer_shares_one_rewrite():
+    from flax import nnx
+
+    import jmp_policy.nnx  # noqa: F401  (jmp.nnx)
+
+    x = jax.random.normal(jax.random.key(1), (2, 8, WIDTH))
+    model = nnx_attention_stack(3, "p=f32,c=bf16,o=f32,m=bf16")
+    autocast.clear_shared_traces()
+    with mock.patch.object(autocast, "_trace_and_eval", wraps=autocast._trace_and_eval) as traced:
+        jax.make_jaxpr(lambda x: model(x))(x)
+    assert traced.call_count == 1  # Three layers' attention, one rewrite.
+
+    def grads(m):
+        graphdef, params = nnx.split(m, nnx.Param)
+        loss = lambda p, x: jnp.sum(nnx.merge(graphdef, p)(x) ** 2)  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1))), params
+
+    shared_fn, params = grads(model)
+    with mock.patch.object(autocast, "_shared_rewrite", return_value=NotImplemented):
+        unshared_fn, _ = grads(model)
+        unshared_ops = lowered_ops(unshared_fn, params, x)
+        unshared = unshared_fn(params, x)
+    shared_ops = lowered_ops(shared_fn, params, x)
+    assert [(o.name, o.operands, o.results) for o in shared_ops] == [
+        (o.name, o.operands, o.results) for o in unshared_ops
+    ]
+    dots = [o for o in shared_ops if o.name == "dot_general"]
+    assert dots and all(o.operand_types == ("bf16", "bf16") for o in dots)
+    assert_bitwise_equal(shared_fn(params, x), unshared)
+
+
+def test_a_shared_rewrite_keeps_no_function_or_module_alive():
+    # A call given something other than arrays and plain values (here an
+    # activation function; NNX attention that sows its weights gets the
+    # module) is rewritten on the spot, and nothing of it is cached.
+    def f(x, w, activation, scale):
+        return activation(x @ w) * scale
+
+    g = autocast.matmuls_in(f, jnp.bfloat16, shared=True)
+    x, w = jnp.ones((4, WIDTH)), jnp.ones((WIDTH, WIDTH)) / WIDTH
+    autocast.clear_shared_traces()
+    out = jax.jit(lambda x, w: g(x, w, jnp.tanh, 2.0))(x, w)
+    np.testing.assert_allclose(out, 2 * np.tanh(np.ones((4, WIDTH))), rtol=1e-2)
+    assert not autocast._SHARED_REWRITES.get(f)
+    # Plain values are part of the signature: two scales, two shared rewrites.
+    h = autocast.matmuls_in(lambda x, w, scale: (x @ w) * scale, jnp.bfloat16, shared=True)
+    jax.make_jaxpr(lambda x, w: h(x, w, 2.0) + h(x, w, 2.0) + h(x, w, 3.0))(x, w)
+    assert sum(map(len, autocast._SHARED_REWRITES.values())) == 2  # Scales 2.0 and 3.0.
+    del h  # The cache holds its function weakly: gone with it.
+    gc.collect()
+    assert sum(map(len, autocast._SHARED_REWRITES.values())) == 0

@@ -42,6 +42,7 @@ import contextlib
 import contextvars
 import dataclasses
 import difflib
+import enum
 import functools
 import re
 import weakref
@@ -59,6 +60,7 @@ from jmp_policy.core.matmul import (
     accumulating_dot,
     accumulating_product,
     cast,
+    clear_shared_products,
     is_float,
     product_of,
     widest,
@@ -467,7 +469,12 @@ def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
 
 
 def matmuls_in(
-    fn: Callable, matmul_dtype: Any, fp8_scaling: str = "tensor", *, scoped: bool = False
+    fn: Callable,
+    matmul_dtype: Any,
+    fp8_scaling: str = "tensor",
+    *,
+    scoped: bool = False,
+    shared: bool = False,
 ) -> Callable:
     """`fn` with every `dot_general` taking `matmul_dtype`'s product; all else as written.
 
@@ -477,7 +484,11 @@ def matmuls_in(
     product keeps the result dtype of the traced program. With `scoped`, a
     product traced inside `matmul_scope(d)` takes `d` instead (None: as
     written), the innermost scope winning; `matmul_dtype` may then be None.
-    Array arguments are traced, anything else is static.
+    Array arguments are traced, anything else is static. With `shared` (not
+    with `scoped`), for a pure `fn` called often with the same shapes (the
+    attention of every layer): calls whose other arguments are plain values
+    (numbers, strings, dtypes, enums, None) share one traced rewrite per
+    signature, an inlined `jax.jit`; their results must be arrays.
     """
     rules = _Rules(
         compute_dtype=_F32,
@@ -491,9 +502,54 @@ def matmuls_in(
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
+        if shared and not scoped:
+            out = _shared_rewrite(fn, rules, args, kwargs)
+            if out is not NotImplemented:
+                return out
         return _trace_and_eval(lambda a, k: fn(*a, **k), (args, kwargs), rules)
 
     return wrapped
+
+
+# `matmuls_in(shared=True)`: per function (held weakly), per signature, the
+# inlined `jax.jit` of its rewrite.
+_SHARED_REWRITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLAIN_VALUES = (bool, int, float, complex, str, type, np.dtype, enum.Enum, type(None))
+
+
+def _shared_rewrite(fn: Callable, rules: _Rules, args: tuple, kwargs: dict) -> Any:
+    """`fn(*args, **kwargs)` rewritten through its shared trace; NotImplemented if none can be."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    is_array = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
+    static = tuple((type(x), x) for x, a in zip(leaves, is_array) if not a)
+    if not all(isinstance(x, _PLAIN_VALUES) for _, x in static):
+        return NotImplemented  # A module or a function: not kept alive in a cache.
+    try:
+        per_signature = _SHARED_REWRITES.setdefault(fn, {})
+    except TypeError:  # No weak reference to `fn`.
+        return NotImplemented
+    key = (rules, treedef, is_array, static)
+    if key not in per_signature:
+        ref = weakref.ref(fn)
+        values = [None if a else x for x, a in zip(leaves, is_array)]  # Plain values only.
+
+        def rewritten(*arrays):
+            it = iter(arrays)
+            full = [next(it) if a else v for v, a in zip(values, is_array)]
+            f = ref()
+            assert f is not None  # The caller holds `fn` while this runs.
+            return _trace_and_eval(
+                lambda a, k: f(*a, **k), jax.tree.unflatten(treedef, full), rules
+            )
+
+        per_signature[key] = jax.jit(rewritten, inline=True)
+    return per_signature[key](*[x for x, a in zip(leaves, is_array) if a])
+
+
+def clear_shared_traces() -> None:
+    """Forgets the traces `matmuls_in(shared=True)` and the half products share."""
+    _SHARED_REWRITES.clear()
+    clear_shared_products()
 
 
 def autocast(

@@ -108,8 +108,9 @@ def matmul_overrides(module: Any, policy: Policy, *, rewritten: bool = False) ->
     if isinstance(module, nnx.Einsum):
         overrides["einsum_op"] = functools.partial(jnp.einsum, _dot_general=dot_general)
     if isinstance(module, nnx.MultiHeadAttention):
+        # Every layer's attention has the same shapes: one shared rewrite.
         overrides["attention_fn"] = matmuls_in(
-            module.attention_fn, policy.matmul_dtype, policy.fp8_scaling
+            module.attention_fn, policy.matmul_dtype, policy.fp8_scaling, shared=True
         )
     return overrides
 

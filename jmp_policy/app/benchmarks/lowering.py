@@ -43,7 +43,7 @@ import optax
 import jmp_policy
 from jmp_policy.app.benchmarks import _transformer_lm
 from jmp_policy.app.benchmarks.transformer import train_step
-from jmp_policy.core.matmul import clear_shared_products
+from jmp_policy.core.autocast import clear_shared_traces
 
 REFERENCE = "flax dtype=bf16"
 TARGETS = {"with_policy": 1.1, "with_policy m=bf16": 1.25, "autocast": 1.4}
@@ -66,7 +66,7 @@ def lowering_seconds(step: Callable, *args: Any) -> float:
     fresh = lambda *a: step(*a)  # noqa: E731  (a new function: no cached trace)
     # Products are traced once per signature and shared, also between train
     # steps: forgotten here, so that each figure is a first lowering.
-    clear_shared_products()
+    clear_shared_traces()
     start = time.perf_counter()
     jax.jit(fresh).lower(*args)
     return time.perf_counter() - start
