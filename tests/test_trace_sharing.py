@@ -226,3 +226,30 @@ def test_a_shared_rewrite_keeps_no_function_or_module_alive():
     del h  # The cache holds its function weakly: gone with it.
     gc.collect()
     assert sum(map(len, autocast._SHARED_REWRITES.values())) == 0
+
+
+def fp8_traces(depth):
+    """How many backward equations the FP8 products' rewrite runs, tracing `depth` layers."""
+    from jmp_policy.core import fp8
+
+    matmul.clear_shared_products()
+    with mock.patch.object(fp8, "_accumulate_in_float32", wraps=fp8._accumulate_in_float32) as seen:
+        jax.make_jaxpr(jax.grad(stack(fp8.fp8_dot_general, depth)))(*operands(depth))
+    return seen.call_count
+
+
+def test_identical_fp8_products_trace_once_and_stay_fp8():
+    from jmp_policy.core import fp8
+
+    one = fp8_traces(1)
+    assert one > 0 and fp8_traces(6) == one
+    depth = 3
+    ws, x = operands(depth)
+    matmul.clear_shared_products()
+    dots = [
+        op
+        for op in lowered_ops(jax.jit(jax.grad(stack(fp8.fp8_dot_general, depth))), ws, x)
+        if op.name == "dot_general"
+    ]
+    assert len(dots) == 3 * depth - 1
+    assert all(set(op.operand_types) <= {"f8E4M3FN", "f8E5M2"} for op in dots)

@@ -34,6 +34,7 @@ arXiv:2209.05433; torchao's float8 training recipes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,8 +51,11 @@ from jmp_policy.core.matmul import (
     _result_dtype,
     call_reverse_mode_only,
     cast,
+    cpu_form_in_use,
+    dims_key,
     dot_product,
     is_float,
+    shared_factory,
     widest,
 )
 
@@ -259,10 +263,46 @@ def fp8_product(
     axes that product keeps), accumulating in float32; the scales are applied
     to the float32 results.
     """
-    dims = jax.tree.map(int, dims)
-    product = dot_product(dims, precision, out_sharding)
+    f = _shared_fp8_product(
+        dims_key(dims), np.dtype(out_dtype), check_scaling(scaling), precision, out_sharding,
+        # A trace made under the other setting of the CPU form is not reused.
+        cpu_form=cpu_form_in_use(),
+    )  # fmt: skip
+    return call_reverse_mode_only(f, lhs, rhs, _JVP_UNSUPPORTED)
+
+
+@shared_factory
+def _shared_fp8_product(
+    dims: Dims,
+    out_dtype: np.dtype,
+    scaling: str,
+    precision: Any,
+    out_sharding: Any,
+    *,
+    cpu_form: bool,
+) -> Callable:
+    """`fp8_product`'s function of one signature: an inlined `jax.jit`, so that
+    JAX traces, differentiates and transposes it once (see `accumulating_dot`)."""
+    del cpu_form  # Only a key: the products read the setting as they trace.
+    return jax.jit(
+        functools.partial(
+            _fp8_product, dims=dims, out_dtype=out_dtype, rowwise=scaling == "rowwise",
+            product=dot_product(dims, precision, out_sharding),
+        ),
+        inline=True,
+    )  # fmt: skip
+
+
+def _fp8_product(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    *,
+    dims: Dims,
+    out_dtype: np.dtype,
+    rowwise: bool,
+    product: Callable,
+) -> jax.Array:
     layout = _Layout(dims, lhs.ndim, rhs.ndim)
-    rowwise = check_scaling(scaling) == "rowwise"
     lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
     t_lhs, t_rhs = _transposed(product, lhs, rhs, "lhs"), _transposed(product, lhs, rhs, "rhs")
     e4m3, e5m2 = (E4M3, E4M3_MAX), (E5M2, E5M2_MAX)
@@ -307,8 +347,9 @@ def fp8_product(
         )
         return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
 
-    f.defvjp(fwd, bwd)
-    return call_reverse_mode_only(f, lhs, rhs, _JVP_UNSUPPORTED)
+    # Traced once per shape signature: every product of it shares this backward.
+    f.defvjp(fwd, jax.jit(bwd, inline=True))
+    return f(lhs, rhs)
 
 
 _JVP_UNSUPPORTED = (

@@ -78,6 +78,11 @@ def cpu_bf16_dot_workaround(env: Mapping[str, str] = os.environ) -> bool:
 _CPU_BF16_DOT_WORKAROUND = cpu_bf16_dot_workaround()
 
 
+def cpu_form_in_use() -> bool:
+    """The setting products traced now take (part of a shared product's signature)."""
+    return _CPU_BF16_DOT_WORKAROUND
+
+
 def dot_product(dimension_numbers: Any, precision: Any = None, out_sharding: Any = None) -> Product:
     """`lax.dot_general` as a `product(lhs, rhs, preferred_element_type)`."""
     dims = jax.tree.map(int, dimension_numbers)
@@ -185,24 +190,38 @@ def accumulating_dot(
     call, so the program is the one tracing each product anew would give.
     """
     f = _shared_accumulating_dot(
-        _hashable(dimension_numbers), precision, out_sharding,
+        dims_key(dimension_numbers), precision, out_sharding,
         *map(np.dtype, (compute_dtype, out_dtype, lhs.dtype, rhs.dtype)),
         # A trace made under the other setting of the CPU form is not reused.
-        cpu_form=_CPU_BF16_DOT_WORKAROUND,
+        cpu_form=cpu_form_in_use(),
     )  # fmt: skip
     return call_reverse_mode_only(f, lhs, rhs, _JVP_UNSUPPORTED)
 
 
+# The caches of the shared product functions (this module's and fp8's).
+_SHARED_FACTORIES: list[Any] = []
+
+
+def shared_factory(factory: Callable) -> Callable:
+    """`functools.cache` of a factory of shared product functions, which
+    `clear_shared_products` empties."""
+    cached = functools.cache(factory)
+    _SHARED_FACTORIES.append(cached)
+    return cached
+
+
 def clear_shared_products() -> None:
-    """Forgets the functions `accumulating_dot` shares: the next trace starts cold."""
-    _shared_accumulating_dot.cache_clear()
+    """Forgets the shared product functions: the next trace starts cold."""
+    for cached in _SHARED_FACTORIES:
+        cached.cache_clear()
 
 
-def _hashable(dims: Any) -> Any:
-    return tuple(_hashable(d) for d in dims) if isinstance(dims, (tuple, list)) else int(dims)
+def dims_key(dims: Any) -> Any:
+    """Dimension numbers as nested tuples of ints: hashable, equal when equal."""
+    return tuple(dims_key(d) for d in dims) if isinstance(dims, (tuple, list)) else int(dims)
 
 
-@functools.cache
+@shared_factory
 def _shared_accumulating_dot(
     dims: Any, precision: Any, out_sharding: Any, *dtypes: np.dtype, cpu_form: bool
 ) -> Callable:
