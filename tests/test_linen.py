@@ -919,14 +919,23 @@ def _scaled_tangent(scale):
     return f
 
 
-class NormsWithCustomDerivatives(nn.Module):
-    """Two LayerNorms whose outputs an inner interceptor passes through different rules."""
+def _scaled_by_callback(scale):
+    """Times `scale`, through a host callback: its function prints like any other."""
+    return lambda y: jax.pure_callback(
+        lambda v: (v * scale).astype(v.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype), y
+    )
+
+
+class NormsUnderRules(nn.Module):
+    """Two LayerNorms whose outputs an inner interceptor passes through a
+    different function each, made by `wrap(a number)`."""
+
+    wrap: Any
 
     @nn.compact
     def __call__(self, x):
         def rule(next_fun, args, kwargs, context):
-            out = next_fun(*args, **kwargs)
-            return _scaled_tangent(float(len(context.module.name)))(out)
+            return self.wrap(float(len(context.module.name)))(next_fun(*args, **kwargs))
 
         with nn.intercept_methods(rule):
             a = nn.LayerNorm(name="n")(x)
@@ -934,16 +943,62 @@ class NormsWithCustomDerivatives(nn.Module):
         return jnp.sum(a) + jnp.sum(b * b)
 
 
-def test_norms_with_custom_derivatives_keep_their_own():
-    model = NormsWithCustomDerivatives()
+@pytest.mark.parametrize(
+    ("wrap", "transform"),
+    [(_scaled_tangent, jax.value_and_grad), (_scaled_by_callback, lambda f: f)],
+    ids=["jvp-rule", "callback"],  # A callback has no derivative: values only.
+)
+def test_norms_whose_programs_print_alike_keep_their_own(wrap, transform):
+    model = NormsUnderRules(wrap)
     params = materialize(jax.eval_shape(model.init, jax.random.key(0), NORMS_X)["params"])
-    grads = [
-        jax.jit(jax.grad(lambda p: with_policy(model.apply, "mixed_bfloat16", remat_norms=r)(
-            {"params": p}, NORMS_X)))(params)
+    results = [
+        jax.jit(transform(lambda p: with_policy(
+            model.apply, "mixed_bfloat16", remat_norms=r)({"params": p}, NORMS_X)))(params)
         for r in (True, False)
     ]  # fmt: skip
-    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+class TaggedNorms(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        from jax.experimental.xla_metadata import set_xla_metadata
+
+        with set_xla_metadata(tagged="yes"):
+            a = nn.LayerNorm(name="tagged")(x)
+        return a, nn.LayerNorm(name="plain")(x)
+
+
+def test_norms_in_another_context_keep_it():
+    # An equation's context (XLA metadata, compute_on) is not in its text.
+    params = TaggedNorms().init(jax.random.key(0), NORMS_X)
+    for remat in (True, False):
+        apply = with_policy(TaggedNorms().apply, "mixed_bfloat16", remat_norms=remat)
+        lines = jax.jit(apply).lower(params, NORMS_X).as_text().splitlines()
+        rsqrt = [line for line in lines if "stablehlo.rsqrt" in line]
+        assert len(rsqrt) == 2 and sum('tagged = "yes"' in line for line in rsqrt) == 1, remat
+
+
+def test_norms_with_parameters_as_literals_keep_their_own(monkeypatch):
+    # Under jax_use_simplified_jaxpr_constants, concrete parameters (closed
+    # over by a jit) are array literals of the program, printed without
+    # their values: same-shaped norms must not share them.
+    model = DeepNorms()
+    params = jax.tree.map(np.asarray, model.init(jax.random.key(0), NORMS_X))["params"]
+    params["LayerNorm_1"] = jax.tree.map(lambda v: v * 3 + 1, params["LayerNorm_1"])
+    flag = "jax_use_simplified_jaxpr_constants"
+    saved = getattr(jax.config, flag)
+    jax.config.update(flag, True)
+    try:
+        outs = [
+            jax.jit(lambda x: with_policy(model.apply, "mixed_bfloat16", remat_norms=r)(
+                {"params": params}, x))(NORMS_X)
+            for r in (True, False)
+        ]  # fmt: skip
+    finally:
+        jax.config.update(flag, saved)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(

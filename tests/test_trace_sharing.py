@@ -121,23 +121,31 @@ def test_the_cpu_form_setting_is_not_reused_across(monkeypatch):
 
 
 def test_matmul_rewrite_leaves_product_free_nested_programs_as_traced():
-    # A relu (custom_jvp), a silu (jit) and a checkpointed elementwise block
-    # hold no product: the rewrite binds them as traced instead of running
-    # them through its interpreter, which would change nothing in them.
+    # A silu (jit) and a checkpointed elementwise block hold no product: the
+    # rewrite binds them as traced instead of running them through its
+    # interpreter, which would change nothing in them. A relu (custom_jvp)
+    # is rewritten all the same: its JVP rule, a Python function, may hold
+    # products its primal program does not show.
     def f(x, w):
         y = jax.nn.relu(x @ w) + jax.nn.silu(x)
         return jax.checkpoint(lambda y: jnp.tanh(y) * 2)(y) @ w
 
     x, w = jnp.ones((4, WIDTH)), jnp.ones((WIDTH, WIDTH))
     m_bf16 = jmp.with_policy(f, "p=f32,c=f32,o=f32,m=bf16")
-    with mock.patch.object(autocast, "_eval", wraps=autocast._eval) as interpreted:
+    interpreted = []
+
+    def record(jaxpr, *args, **kwargs):
+        interpreted.append(str(jaxpr))
+        return run(jaxpr, *args, **kwargs)
+
+    run = autocast._eval
+    with mock.patch.object(autocast, "_eval", side_effect=record):
         rewritten = jax.make_jaxpr(m_bf16)(x, w)
-    assert interpreted.call_count == 1  # The top-level program only.
 
     def nested(closed):
         """The programs held by the equations, as text, by primitive name."""
         return {
-            e.primitive.name: str(body)
+            e.primitive.name: str(getattr(body, "jaxpr", body))
             for e in closed.jaxpr.eqns
             for body in e.params.values()
             if isinstance(body, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))
@@ -145,9 +153,33 @@ def test_matmul_rewrite_leaves_product_free_nested_programs_as_traced():
 
     before, after = nested(jax.make_jaxpr(f)(x, w)), nested(rewritten)
     assert {"custom_jvp_call", "jit", "remat2"} <= set(before)
+    assert before["jit"] not in interpreted and before["remat2"] not in interpreted
+    assert before["custom_jvp_call"] in interpreted
     assert all(after[name] == before[name] for name in before)
     dots = [op for op in lowered_ops(jax.jit(m_bf16), x, w) if op.name == "dot_general"]
     assert [op.operand_types for op in dots] == [("bf16", "bf16")] * 2
+
+
+def test_matmul_rewrite_reaches_the_products_of_a_custom_jvp_rule():
+    # The primal has no product, its JVP rule has one: under jax.jvp it
+    # takes the matmul dtype.
+    @jax.custom_jvp
+    def prefix_sum(x):
+        return jnp.cumsum(x, axis=-1)
+
+    @prefix_sum.defjvp
+    def _(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return prefix_sum(x), t @ jnp.triu(jnp.ones((x.shape[-1],) * 2, x.dtype))
+
+    f = autocast.matmuls_in(lambda x: jnp.sum(jnp.sin(prefix_sum(x))), jnp.bfloat16)
+    x = jnp.linspace(0, 1, 8).reshape(2, 4)
+    dots = [
+        op
+        for op in lowered_ops(jax.jit(lambda x: jax.jvp(f, (x,), (x,))), x)
+        if op.name == "dot_general"
+    ]
+    assert dots and all(op.operand_types == ("bf16", "bf16") for op in dots)
 
 
 def test_a_forward_mode_derivative_still_names_the_way_out():

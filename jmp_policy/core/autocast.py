@@ -343,6 +343,8 @@ _CONTAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _contains(jaxpr: ji.Jaxpr, names: frozenset[str]) -> bool:
+    """Whether `jaxpr` may run one of `names` (a `custom_jvp` may, in its rule)."""
+    names = names | {"custom_jvp_call"}
     known = _CONTAINS.setdefault(jaxpr, {})
     if names not in known:
         known[names] = any(
@@ -358,11 +360,13 @@ def _apply(eqn, invals, rules):
     if (
         nested
         and rules.only_products
+        and prim is not ji.custom_jvp_call_p
         and not any(_contains(j, rules.half) for j in ji.sub_jaxprs(eqn))
     ):
-        # Under `matmuls_in`, a call, loop or custom rule with no product in
-        # it runs as traced: rewriting would change nothing, and JAX's caches
-        # (keyed on the nested program) then serve every layer.
+        # Under `matmuls_in`, a call or loop with no product in it runs as
+        # traced: rewriting would change nothing, and JAX's caches (keyed on
+        # the nested program) then serve every layer. A custom_jvp's rule may
+        # hold products its primal program does not show: it is rewritten.
         return ji.bind(eqn, _as_original(eqn, invals))
     if prim in _HIGHER_ORDER:
         return _HIGHER_ORDER[prim](eqn, invals, rules)
@@ -406,14 +410,19 @@ def _trace_and_eval(fn, args, rules):
 
     def traced_fn(*values):
         results, tree = jax.tree.flatten(flat_fn(*values))
-        out_leaves[:], out_tree[:] = results, [tree]
+        # The arrays are tracers of this trace: only their places are kept.
+        out_leaves[:] = [_TRACED if isinstance(x, arrays) else x for x in results]
+        out_tree[:] = [tree]
         return [x for x in results if isinstance(x, arrays)]
 
     values = [leaves[i] for i in dynamic]
     closed = jax.make_jaxpr(traced_fn)(*values)
     outs = iter(_eval(closed.jaxpr, closed.consts, values, rules))
-    full = [next(outs) if isinstance(x, arrays) else x for x in out_leaves]
+    full = [next(outs) if x is _TRACED else x for x in out_leaves]
     return jax.tree.unflatten(out_tree[0], full)
+
+
+_TRACED = object()  # The place of an array result in `_trace_and_eval`.
 
 
 def _known_primitive_names() -> frozenset[str]:

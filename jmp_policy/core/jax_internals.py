@@ -11,6 +11,7 @@ once. Checked against jax and jaxlib 0.10.2.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -99,13 +100,32 @@ def sub_jaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
                 yield v
 
 
-def has_custom_rules(jaxpr: Jaxpr) -> bool:
-    """Whether the program, or one nested in it, has a `custom_jvp` or `custom_vjp` call."""
-    return any(
-        eqn.primitive.name in ("custom_jvp_call", "custom_vjp_call")
-        or any(has_custom_rules(j) for j in sub_jaxprs(eqn))
-        for eqn in jaxpr.eqns
-    )
+_PLAIN = (bool, int, float, complex, str, np.dtype, enum.Enum, type(None))
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(_is_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def program_key(jaxpr: Jaxpr) -> tuple | None:
+    """A key equal for two programs only if they compute the same; None if
+    their text cannot tell.
+
+    The text of a program names its operations, types and literals, and its
+    parameters where they are plain values. It does not show a nested
+    program's rules, a callback, an array literal's values or an equation's
+    context (`compute_on`, XLA metadata; interned, so compared by identity):
+    a program with any of the first three has no key, the contexts are part
+    of it.
+    """
+    for eqn in jaxpr.eqns:
+        if not all(_is_plain(v) for v in eqn.params.values()):
+            return None  # A nested program, a callback, a sharding.
+        if any(isinstance(v, jex.core.Literal) and np.ndim(v.val) for v in eqn.invars):
+            return None
+    return (str(jaxpr), tuple(eqn.ctx for eqn in jaxpr.eqns))
 
 
 def shaped(var: Any) -> jax.core.ShapedArray:

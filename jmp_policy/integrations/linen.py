@@ -51,7 +51,7 @@ class _Call:
     # The policy of each module path: parameters are stored in their owner's param dtype.
     owners: dict[tuple[str, ...], Policy] = dataclasses.field(default_factory=dict)
     # Rematerialised norms by program, shared between layers (see `_rematerialised`).
-    norm_programs: dict[str, Callable] = dataclasses.field(default_factory=dict)
+    norm_programs: dict[tuple, Callable] = dataclasses.field(default_factory=dict)
 
 
 _CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("call")
@@ -154,7 +154,7 @@ def _keeper(fn: Callable, names: frozenset[str]) -> Callable[[int | str], bool]:
     return keep
 
 
-def _rematerialised(next_fun: Callable, traced: dict[str, Callable]) -> Callable:
+def _rematerialised(next_fun: Callable, traced: dict[tuple, Callable]) -> Callable:
     """`next_fun` under `jax.checkpoint`: its internals are recomputed, not saved.
 
     Only the norm's (half) input and its parameters are saved for the backward
@@ -177,11 +177,11 @@ def _rematerialised(next_fun: Callable, traced: dict[str, Callable]) -> Callable
         program, out_shape = jax.make_jaxpr(lambda a, k: next_fun(*a, **k), return_shape=True)(
             args, kwargs
         )
-        # Types, operations and literals; constants are arguments. A custom
-        # derivative's rules are Python functions the text does not show.
+        # Constants (the parameters) are arguments: programs of one key share.
         fn: Callable = functools.partial(_evaluate, program.jaxpr)
-        if not jax_internals.has_custom_rules(program.jaxpr):
-            fn = traced.setdefault(str(program.jaxpr), fn)
+        key = jax_internals.program_key(program.jaxpr)
+        if key is not None:
+            fn = traced.setdefault(key, fn)
         outs = jax.checkpoint(fn)(list(program.consts), inputs)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
