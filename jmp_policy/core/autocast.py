@@ -42,7 +42,6 @@ import contextlib
 import contextvars
 import dataclasses
 import difflib
-import enum
 import functools
 import re
 import weakref
@@ -523,7 +522,6 @@ def matmuls_in(
 # `matmuls_in(shared=True)`: per function (held weakly), per signature, the
 # inlined `jax.jit` of its rewrite.
 _SHARED_REWRITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PLAIN_VALUES = (bool, int, float, complex, str, type, np.dtype, enum.Enum, type(None))
 
 
 def _shared_rewrite(fn: Callable, rules: _Rules, args: tuple, kwargs: dict) -> Any:
@@ -531,7 +529,7 @@ def _shared_rewrite(fn: Callable, rules: _Rules, args: tuple, kwargs: dict) -> A
     leaves, treedef = jax.tree.flatten((args, kwargs))
     is_array = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
     static = tuple((type(x), x) for x, a in zip(leaves, is_array) if not a)
-    if not all(isinstance(x, _PLAIN_VALUES) for _, x in static):
+    if not all(ji.is_plain(x) for _, x in static):
         return NotImplemented  # A module or a function: not kept alive in a cache.
     try:
         per_signature = _SHARED_REWRITES.setdefault(fn, {})

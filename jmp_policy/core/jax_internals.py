@@ -100,12 +100,14 @@ def sub_jaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
                 yield v
 
 
-_PLAIN = (bool, int, float, complex, str, np.dtype, enum.Enum, type(None))
+_PLAIN = (bool, int, float, complex, str, type, np.dtype, enum.Enum, type(None))
 
 
-def _is_plain(value: Any) -> bool:
+def is_plain(value: Any) -> bool:
+    """A value whose text (and equality) says all it is: a number, string, type,
+    dtype, enum or None, or a tuple of them; not a function, array or object."""
     if isinstance(value, tuple):
-        return all(_is_plain(v) for v in value)
+        return all(is_plain(v) for v in value)
     return isinstance(value, _PLAIN)
 
 
@@ -121,7 +123,7 @@ def program_key(jaxpr: Jaxpr) -> tuple | None:
     of it.
     """
     for eqn in jaxpr.eqns:
-        if not all(_is_plain(v) for v in eqn.params.values()):
+        if not all(is_plain(v) for v in eqn.params.values()):
             return None  # A nested program, a callback, a sharding.
         if any(isinstance(v, jex.core.Literal) and np.ndim(v.val) for v in eqn.invars):
             return None
