@@ -47,13 +47,12 @@ from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.matmul import (
     F32,
     _accumulate_in_float32,
-    _check_shapes,
-    _result_dtype,
     call_reverse_mode_only,
     cast,
     cpu_form_in_use,
     dims_key,
     dot_product,
+    float_dot_operands,
     is_float,
     shared_factory,
     widest,
@@ -436,14 +435,11 @@ def fp8_dot_general(
     4.5
     """
     check_scaling(scaling)
-    dims = jax.tree.map(int, dimension_numbers)
+    dims = dims_key(dimension_numbers)
     if not (is_float(lhs) and is_float(rhs)):
         return lax.dot_general(lhs, rhs, dims, precision, preferred_element_type,
                                out_sharding=out_sharding)  # fmt: skip
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    _check_shapes(
-        lambda a, b: lax.dot_general(a, b, dims, precision, preferred_element_type),
-        lhs, rhs, "fp8_dot_general",
-    )  # fmt: skip
-    out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
+    lhs, rhs, out_dtype = float_dot_operands(
+        lhs, rhs, dims, precision, preferred_element_type, "fp8_dot_general"
+    )
     return fp8_product(lhs, rhs, dims, out_dtype, scaling, precision, out_sharding)

@@ -85,7 +85,7 @@ def cpu_form_in_use() -> bool:
 
 def dot_product(dimension_numbers: Any, precision: Any = None, out_sharding: Any = None) -> Product:
     """`lax.dot_general` as a `product(lhs, rhs, preferred_element_type)`."""
-    dims = jax.tree.map(int, dimension_numbers)
+    dims = dims_key(dimension_numbers)
 
     def dot(a, b, pet, precision=precision):
         return lax.dot_general(a, b, dims, precision, pet, out_sharding=out_sharding)
@@ -335,6 +335,19 @@ def _result_dtype(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any) -
     return widest([lhs.dtype, rhs.dtype])
 
 
+def float_dot_operands(
+    lhs: Any, rhs: Any, dims: Any, precision: Any, preferred_element_type: Any, name: str
+) -> tuple[jax.Array, jax.Array, np.dtype]:
+    """A dot's floating operands as arrays, their shapes checked against `dims`
+    (a `TypeError` or `ValueError` naming `name`), and the dot's result dtype."""
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    _check_shapes(
+        lambda a, b: lax.dot_general(a, b, dims, precision, preferred_element_type),
+        lhs, rhs, name,
+    )  # fmt: skip
+    return lhs, rhs, _result_dtype(lhs, rhs, preferred_element_type)
+
+
 def half_dot_general(
     lhs: jax.typing.ArrayLike,
     rhs: jax.typing.ArrayLike,
@@ -387,18 +400,14 @@ def half_dot_general(
     >>> jax.grad(lambda w: half_dot_general(x, w, (((1,), (0,)), ((), ()))).sum())(w).dtype
     dtype('float32')
     """
-    dims = jax.tree.map(int, dimension_numbers)
+    dims = dims_key(dimension_numbers)
     if not (is_float(lhs) and is_float(rhs)):
         return lax.dot_general(lhs, rhs, dims, precision, preferred_element_type,
                                out_sharding=out_sharding)  # fmt: skip
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    _check_shapes(
-        lambda a, b: lax.dot_general(a, b, dims, precision, preferred_element_type),
-        lhs, rhs, "half_dot_general",
-    )  # fmt: skip
-    out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
+    lhs, rhs, out_dtype = float_dot_operands(
+        lhs, rhs, dims, precision, preferred_element_type, "half_dot_general"
+    )
     compute = _half_compute_dtype(compute_dtype, lhs, rhs)
-
     return accumulating_dot(lhs, rhs, dims, precision, out_sharding, compute, out_dtype)
 
 
