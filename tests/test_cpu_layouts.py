@@ -30,7 +30,7 @@ from jax import lax
 import jmp_policy as jmp
 from jmp_policy.core import matmul
 
-from helpers import lowered_ops
+from helpers import compiler_options, lowered_ops
 
 F32 = np.float32
 
@@ -121,10 +121,8 @@ def float32_products(operands):
     return out
 
 
-# No LLVM optimisation and the older loop emitters: these small programs
-# compile about 3x faster (as in the zoo); the HLO passes, where the dots take
-# their final form, are the same.
-COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+# Faster compiles; the HLO passes, where the dots take their final form, are the same.
+COMPILER_OPTIONS = compiler_options()
 
 
 def forward_and_backward(fn):

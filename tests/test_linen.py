@@ -897,11 +897,11 @@ def test_norms_of_one_program_share_one_rematerialised_trace():
     assert len(bodies) == 4
     assert len({id(b) for b in bodies}) == 2
     assert bodies[0] is bodies[1] is bodies[3]
-    shared, plain = jax.jit(
-        lambda: (jax.value_and_grad(loss(True))(params), jax.value_and_grad(loss(False))(params))
-    )()
+    # Compiled apart, the same bits. (In one jit, XLA 0.12 merges and fuses
+    # the two programs' common work, so they differ in bf16 rounding.)
+    shared, plain = (jax.jit(jax.value_and_grad(loss(r)))(params) for r in (True, False))
     for a, b in zip(jax.tree.leaves(shared), jax.tree.leaves(plain)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(a, b)
     # Every norm's parameters get their own gradient.
     grads = shared[1]
     scales = [grads[f"LayerNorm_{i}"]["scale"] for i in range(4)]

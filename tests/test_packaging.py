@@ -150,6 +150,20 @@ def test_wheel_contents(wheel):
     assert [r.split("<")[0].split(">")[0] for r in required] == ["jax", "jaxlib", "numpy", "optax"]
 
 
+def test_installing_the_wheel_keeps_the_installed_jax(wheel):
+    # pip resolves the wheel's requirements against this environment's JAX
+    # (the newest under ./run test, the oldest under ./run test-oldest): with
+    # no index to download from, a JAX it wanted to change would fail here.
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--quiet",
+         "--report", "-", str(wheel)],
+        env=_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    installs = [i["metadata"]["name"] for i in json.loads(proc.stdout)["install"]]
+    assert installs == ["jmp_policy"], installs
+
+
 @pytest.fixture(scope="module")
 def venv(wheel, tmp_path_factory) -> pathlib.Path:
     """A fresh virtual environment with the wheel installed (not editable).

@@ -18,6 +18,8 @@ import pytest
 
 import jmp_policy as jmp
 
+from helpers import compiler_options
+
 griffin = pytest.importorskip("recurrentgemma.jax")
 
 pytestmark = pytest.mark.slow
@@ -38,8 +40,7 @@ B, L, PROMPT = 2, 8, 4
 # jax arrays: Griffin type-checks its arguments (jaxtyping).
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (B, L)), jnp.int32)
 POS = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-# Unoptimised XLA:CPU code compiles these small programs about 3x faster.
-OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+OPTIONS = compiler_options()
 POLICIES = [
     "float32",
     "mixed_bfloat16",

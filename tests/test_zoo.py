@@ -59,16 +59,15 @@ from flax import nnx
 import jmp_policy
 import jmp_policy.nnx as jnnx
 
+from helpers import compiler_options
+
 # Compiling about 90 train steps takes longer than the 2.5 minutes this
 # file may take on 2 cores: the whole file is `slow` (it still runs by default).
 pytestmark = pytest.mark.slow
 
 STEPS = 20
-# XLA:CPU compile options for the zoo's steps: no LLVM optimisation and the
-# older loop emitters compile these small programs about 3x faster (the zoo
-# is compile-bound: a step runs in milliseconds); same results to the bit
-# on the models measured.
-COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+# The zoo is compile-bound (a step runs in milliseconds).
+COMPILER_OPTIONS = compiler_options()
 SPECS = {s.name: s for s in zoo.all_specs()}
 MATMUL_VARIANTS = ("p=f32,c=bf16,o=f32,m=bf16", "mixed_float8")
 # A product the model's author keeps in float32 on purpose takes the matmul

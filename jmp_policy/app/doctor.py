@@ -161,7 +161,7 @@ def plot_histogram(
             lw=1.2,
             label=f"gradients x 2^{shift:g} (loss scale)",
         )
-    top = max(share.max() if share.size else 1.0, 1e-3) * 1.25
+    top = max(float(np.max(share)) if share.size else 1.0, 1e-3) * 1.25
     ax.set_ylim(0, top * 1.12)
     ax.hlines(
         top * 1.04,

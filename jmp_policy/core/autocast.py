@@ -165,9 +165,9 @@ def _rewrite_closed(closed, rules, in_dtypes, out_dtypes=None):
 
 def _call_rule(eqn, invals, rules):
     # jit and closed_call: rewritten as if inlined, for the inputs they get.
-    name = ji.CALL_JAXPR_PARAM[eqn.primitive]
-    closed = _rewrite_closed(eqn.params[name], rules, [x.dtype for x in invals])
-    return ji.bind(eqn, invals, {**eqn.params, name: closed})
+    name, program = ji.call_program(eqn)
+    closed = _rewrite_closed(program, rules, [x.dtype for x in invals])
+    return ji.bind(eqn, invals, ji.replaced_params(eqn, **{name: closed}))
 
 
 def _control_flow_rule(eqn, invals, rules):
@@ -175,11 +175,11 @@ def _control_flow_rule(eqn, invals, rules):
         in_dtypes, out_dtypes = ([a.dtype for a in x] for x in (closed.in_avals, closed.out_avals))
         return _rewrite_closed(closed, rules, in_dtypes, out_dtypes)
 
-    params = dict(eqn.params)
-    for name in ji.CONTROL_FLOW_JAXPR_PARAMS[eqn.primitive]:
-        value = params[name]
-        params[name] = tuple(map(rewrite, value)) if isinstance(value, tuple) else rewrite(value)
-    return ji.bind(eqn, _as_original(eqn, invals), params)
+    programs = {
+        name: tuple(map(rewrite, value)) if isinstance(value, tuple) else rewrite(value)
+        for name, value in ji.control_flow_programs(eqn).items()
+    }
+    return ji.bind(eqn, _as_original(eqn, invals), ji.replaced_params(eqn, **programs))
 
 
 def _remat_rule(eqn, invals, rules):
@@ -300,9 +300,9 @@ def _matmul_dtype_product(eqn, invals, rules):
     product, out_dtype = product_of(eqn), eqn.outvars[0].aval.dtype
     if rules.products == "vjp":
         if m == _E4M3:
-            p = eqn.params
-            return fp8_product(lhs, rhs, p["dimension_numbers"], out_dtype, scaling,
-                               p["precision"], p.get("out_sharding"))  # fmt: skip
+            p = ji.dot_params(eqn)
+            return fp8_product(lhs, rhs, p.dimension_numbers, out_dtype, scaling,
+                               p.precision, p.out_sharding)  # fmt: skip
         return _accumulating(eqn, product, lhs, rhs, m, out_dtype)
     if m == _E4M3:
         # Inside a JVP rule JAX transposes the products itself, which an
@@ -331,9 +331,9 @@ def _product_rule(eqn, invals, rules):
 def _accumulating(eqn, product, lhs, rhs, compute_dtype, out_dtype):
     """`accumulating_product`; a dot through `accumulating_dot`, traced once per signature."""
     if eqn.primitive is ji.dot_general_p:
-        p = eqn.params
-        return accumulating_dot(lhs, rhs, p["dimension_numbers"], p["precision"],
-                                p.get("out_sharding"), compute_dtype, out_dtype)  # fmt: skip
+        p = ji.dot_params(eqn)
+        return accumulating_dot(lhs, rhs, p.dimension_numbers, p.precision,
+                                p.out_sharding, compute_dtype, out_dtype)  # fmt: skip
     return accumulating_product(product, lhs, rhs, compute_dtype, out_dtype)
 
 
@@ -372,7 +372,7 @@ def _apply(eqn, invals, rules):
     if ji.is_shard_map(eqn):
         return _shard_map_rule(eqn, invals, rules)
     if prim is ji.convert_element_type_p:
-        x, new_dtype = invals[0], np.dtype(eqn.params["new_dtype"])
+        x, new_dtype = invals[0], ji.new_dtype(eqn)
         return x if x.dtype == new_dtype else ji.bind(eqn, invals)
     floats = [i for i, x in enumerate(invals) if is_float(x)]
     if not floats or not (name in rules.half or name in rules.float32 or name in rules.promote):
@@ -549,7 +549,7 @@ def _shared_rewrite(fn: Callable, rules: _Rules, args: tuple, kwargs: dict) -> A
                 lambda a, k: f(*a, **k), jax.tree.unflatten(treedef, full), rules
             )
 
-        per_signature[key] = jax.jit(rewritten, inline=True)
+        per_signature[key] = ji.inlined_jit(rewritten)
     return per_signature[key](*[x for x, a in zip(leaves, is_array) if a])
 
 

@@ -250,14 +250,14 @@ def _matmul_of(eqn: ji.JaxprEqn) -> MatmulShape | None:
         return None
     lhs, rhs = (tuple(ji.shaped(v).shape) for v in eqn.invars[:2])
     if eqn.primitive.name == "dot_general":
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        (lc, rc), (lb, rb) = ji.dot_params(eqn).dimension_numbers
         m = math.prod(s for i, s in enumerate(lhs) if i not in lc and i not in lb)
         n = math.prod(s for i, s in enumerate(rhs) if i not in rc and i not in rb)
         k = math.prod(lhs[i] for i in lc)
     else:
         # A convolution, as an implicit GEMM: M = batch x output pixels, N = output
         # channels, K = input channels per group x kernel window.
-        _, rhs_spec, _ = eqn.params["dimension_numbers"]
+        _, rhs_spec, _ = ji.conv_dimension_numbers(eqn)
         out = tuple(ji.shaped(eqn.outvars[0]).shape)
         m = math.prod(out) // max(rhs[rhs_spec[0]], 1)
         n = rhs[rhs_spec[0]]
@@ -370,8 +370,8 @@ def diagnose(grad_fn: Callable[..., Any] | Any, *args: Any, **kwargs: Any) -> Gr
 
     scale = _float16_scale(total.max_abs)
     size = max(total.size, 1)
-    under_scaled = np.count_nonzero(values * scale < F16_TINIEST) / size
-    over_scaled = np.count_nonzero(values * scale > F16_MAX) / size
+    under_scaled = float(np.count_nonzero(values * scale < F16_TINIEST)) / size
+    over_scaled = float(np.count_nonzero(values * scale > F16_MAX)) / size
     policy, loss_scale, reason = _recommend(total, under_scaled, over_scaled, scale)
     return GradientReport(
         arrays=tuple(arrays),

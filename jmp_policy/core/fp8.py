@@ -283,12 +283,11 @@ def _shared_fp8_product(
     """`fp8_product`'s function of one signature: an inlined `jax.jit`, so that
     JAX traces, differentiates and transposes it once (see `accumulating_dot`)."""
     del cpu_form  # Only a key: the products read the setting as they trace.
-    return jax.jit(
+    return ji.inlined_jit(
         functools.partial(
             _fp8_product, dims=dims, out_dtype=out_dtype, rowwise=scaling == "rowwise",
             product=dot_product(dims, precision, out_sharding),
-        ),
-        inline=True,
+        )
     )  # fmt: skip
 
 
@@ -347,7 +346,7 @@ def _fp8_product(
         return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
 
     # Traced once per shape signature: every product of it shares this backward.
-    f.defvjp(fwd, jax.jit(bwd, inline=True))
+    f.defvjp(fwd, ji.inlined_jit(bwd))
     return f(lhs, rhs)
 
 

@@ -1,23 +1,63 @@
-"""The one place jmp_policy reads JAX's traced programs: jaxprs and their equations.
+"""The one place jmp_policy touches what JAX does not promise to keep.
 
 `autocast`, the backward pass of the float32-accumulating matmuls and
 `diagnose` walk jaxprs. `jax.extend` promises no compatibility across JAX
 releases, and the equation attributes used here (`eqn.params` keys such as
-`"jaxpr"`, `"call_jaxpr"`, `"branches"`, `"prevent_cse"`, `eqn.ctx`,
-`Primitive.get_bind_params`) are not documented API. Everything of that kind
-is in this module, so that a JAX upgrade breaks here first and is fixed here
-once. Checked against jax and jaxlib 0.10.2.
+`"jaxpr"`, `"dimension_numbers"`, `"new_dtype"`, `eqn.ctx`,
+`Primitive.get_bind_params`) are not documented API; nor are `jnp.einsum`'s
+`_dot_general=` or the texts of two JAX errors. Everything of that kind is in
+this module, so that a JAX upgrade breaks here first and is fixed here once.
+Each internal has a probe in `PROBES` (run by the test suite) that fails with
+`JaxChanged`, naming the installed JAX, when JAX changes it; a read that finds
+an internal gone raises `JaxChanged` too, never a wrong result. Checked
+against jax and jaxlib 0.10.2 and 0.12.0.1.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import inspect
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend as jex
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
+
+CHECKED_AGAINST = "jax 0.10.2 and 0.12.0.1"
+
+
+class JaxChanged(RuntimeError):
+    """A JAX internal that jmp_policy reads is not what it was checked against."""
+
+    def __init__(self, what: str):
+        super().__init__(
+            f"jmp_policy reads {what}, which jax {jax.__version__} does not provide as "
+            f"{CHECKED_AGAINST} do. Use a JAX release this jmp_policy supports (its "
+            "pyproject.toml says which), or report this message."
+        )
+
+
+# Probes: one per internal, each raising `JaxChanged` if the installed JAX
+# changed it (tests/test_jax_internals.py runs them all).
+PROBES: dict[str, Callable[[], None]] = {}
+
+
+def _probe(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    def register(check: Callable[[], None]) -> Callable[[], None]:
+        PROBES[name] = check
+        return check
+
+    return register
+
+
+def _expect(condition: bool, what: str) -> None:
+    if not condition:
+        raise JaxChanged(what)
+
 
 Jaxpr = jex.core.Jaxpr
 ClosedJaxpr = jex.core.ClosedJaxpr
@@ -25,26 +65,124 @@ JaxprEqn = jex.core.JaxprEqn
 Primitive = jex.core.Primitive
 primitives = jex.core.primitives
 
+
+def _primitive(name: str) -> Primitive:
+    p = getattr(primitives, name, None)
+    if not isinstance(p, Primitive):
+        raise JaxChanged(f"jax.extend.core.primitives.{name}")
+    return p
+
+
 # Equations whose parameters hold a program run as if inlined: which parameter.
 CALL_JAXPR_PARAM: dict[Primitive, str] = {
-    primitives.jit_p: "jaxpr",
-    primitives.closed_call_p: "call_jaxpr",
+    _primitive("jit_p"): "jaxpr",
+    _primitive("closed_call_p"): "call_jaxpr",
 }
 # Control flow: the parameters holding programs whose input and output types are
 # fixed by the loop carry or the branch signature.
 CONTROL_FLOW_JAXPR_PARAMS: dict[Primitive, tuple[str, ...]] = {
-    primitives.scan_p: ("jaxpr",),
-    primitives.while_p: ("cond_jaxpr", "body_jaxpr"),
-    primitives.cond_p: ("branches",),
+    _primitive("scan_p"): ("jaxpr",),
+    _primitive("while_p"): ("cond_jaxpr", "body_jaxpr"),
+    _primitive("cond_p"): ("branches",),
 }
 # `shard_map` (also what `jax.pmap` lowers to since JAX 0.8) is not in
 # `jax.extend.core.primitives`: it is matched by name.
 SHARD_MAP_NAME = "shard_map"
-remat_p: Primitive = primitives.remat_p
-custom_jvp_call_p: Primitive = primitives.custom_jvp_call_p
-convert_element_type_p: Primitive = primitives.convert_element_type_p
-dot_general_p: Primitive = primitives.dot_general_p
-conv_general_dilated_p: Primitive = primitives.conv_general_dilated_p
+remat_p: Primitive = _primitive("remat_p")
+custom_jvp_call_p: Primitive = _primitive("custom_jvp_call_p")
+convert_element_type_p: Primitive = _primitive("convert_element_type_p")
+dot_general_p: Primitive = _primitive("dot_general_p")
+conv_general_dilated_p: Primitive = _primitive("conv_general_dilated_p")
+
+
+def param(eqn: JaxprEqn, name: str) -> Any:
+    """The equation's parameter `name`; `JaxChanged` if its primitive has none."""
+    try:
+        return eqn.params[name]
+    except KeyError:
+        raise JaxChanged(f"the parameter {name!r} of {eqn.primitive.name} equations") from None
+
+
+def replaced_params(eqn: JaxprEqn, **changes: Any) -> dict[str, Any]:
+    """The equation's parameters with `changes`, each of which it must have."""
+    for name in changes:
+        param(eqn, name)
+    return {**eqn.params, **changes}
+
+
+class DotParams(NamedTuple):
+    """What a `dot_general` equation was asked for, beyond its operands."""
+
+    dimension_numbers: Any
+    precision: Any
+    preferred_element_type: Any
+    out_sharding: Any  # None where the JAX release has no such parameter.
+
+
+def dot_params(eqn: JaxprEqn) -> DotParams:
+    """The parameters of a `dot_general` equation."""
+    return DotParams(
+        param(eqn, "dimension_numbers"),
+        param(eqn, "precision"),
+        param(eqn, "preferred_element_type"),
+        eqn.params.get("out_sharding"),
+    )
+
+
+def conv_dimension_numbers(eqn: JaxprEqn) -> Any:
+    """The `(lhs_spec, rhs_spec, out_spec)` of a `conv_general_dilated` equation."""
+    return param(eqn, "dimension_numbers")
+
+
+def conv_with_result_type(eqn: JaxprEqn, preferred_element_type: Any) -> dict[str, Any]:
+    """A convolution equation's parameters, accumulating into `preferred_element_type`."""
+    return replaced_params(eqn, preferred_element_type=preferred_element_type)
+
+
+def new_dtype(eqn: JaxprEqn) -> np.dtype:
+    """The dtype a `convert_element_type` equation converts to."""
+    return np.dtype(param(eqn, "new_dtype"))
+
+
+def call_program(eqn: JaxprEqn) -> tuple[str, ClosedJaxpr]:
+    """`(parameter name, program)` of a `jit` or `closed_call` equation."""
+    name = CALL_JAXPR_PARAM[eqn.primitive]
+    return name, param(eqn, name)
+
+
+def control_flow_programs(eqn: JaxprEqn) -> dict[str, Any]:
+    """The program parameters of a `scan`, `while` or `cond` equation (a tuple for branches)."""
+    return {name: param(eqn, name) for name in CONTROL_FLOW_JAXPR_PARAMS[eqn.primitive]}
+
+
+def inlined_jit(fn: Callable) -> Callable:
+    """`jax.jit(fn)`, whose program is inlined into the calling trace.
+
+    Traced once per signature (JAX's caches), it leaves no `jit` equation
+    behind: the caller's program is the one calling `fn` itself gives. JAX
+    0.10 says so with `inline=True`; later releases mean "inline at lowering"
+    by that, and `jax.Inline.JAX_EARLY` is the old meaning.
+    """
+    inline = getattr(jax, "Inline", None)
+    return jax.jit(fn, inline=True if inline is None else inline.JAX_EARLY)
+
+
+def einsum_with_dot_general(dot_general: Callable) -> Callable:
+    """`jnp.einsum` whose products run through `dot_general` (a private argument)."""
+    if "_dot_general" not in inspect.signature(jnp.einsum).parameters:
+        raise JaxChanged("jnp.einsum's _dot_general= argument")
+    return functools.partial(jnp.einsum, _dot_general=dot_general)
+
+
+def is_forward_mode_of_custom_vjp(error: TypeError) -> bool:
+    """Whether `error` is JAX refusing forward-mode differentiation of a `custom_vjp`."""
+    text = str(error)
+    return "forward-mode" in text and "custom_vjp" in text
+
+
+def is_loop_carry_type_change(error: TypeError) -> bool:
+    """Whether `error` is JAX refusing a loop body that changes its carry's type."""
+    return "carry input and carry output must have equal types" in str(error)
 
 
 def primitive_names() -> frozenset[str]:
@@ -60,7 +198,7 @@ def bind(eqn: JaxprEqn, args: Sequence[Any], params: dict[str, Any] | None = Non
 
 def remat_options(eqn: JaxprEqn) -> dict[str, Any]:
     """The `jax.checkpoint` arguments that made a `remat` equation."""
-    return {"prevent_cse": eqn.params["prevent_cse"], "policy": eqn.params["policy"]}
+    return {"prevent_cse": param(eqn, "prevent_cse"), "policy": param(eqn, "policy")}
 
 
 def is_shard_map(eqn: JaxprEqn) -> bool:
@@ -70,24 +208,23 @@ def is_shard_map(eqn: JaxprEqn) -> bool:
 
 def shard_map_body(eqn: JaxprEqn) -> Jaxpr:
     """The per-device program of a `shard_map` equation (no constants)."""
-    return eqn.params["jaxpr"]
+    return param(eqn, "jaxpr")
 
 
 def shard_map_options(eqn: JaxprEqn) -> dict[str, Any]:
     """The `jax.shard_map` arguments that made a `shard_map` equation."""
-    params = eqn.params
     return {
-        "mesh": params["mesh"],
-        "in_specs": tuple(params["in_specs"]),
-        "out_specs": tuple(params["out_specs"]),
-        "axis_names": frozenset(params["newly_manual_axes"]),
-        "check_vma": params["check_vma"],
+        "mesh": param(eqn, "mesh"),
+        "in_specs": tuple(param(eqn, "in_specs")),
+        "out_specs": tuple(param(eqn, "out_specs")),
+        "axis_names": frozenset(param(eqn, "newly_manual_axes")),
+        "check_vma": param(eqn, "check_vma"),
     }
 
 
 def custom_jvp_primal(eqn: JaxprEqn) -> ClosedJaxpr:
     """The primal program of a `custom_jvp_call` equation."""
-    return eqn.params["call_jaxpr"]
+    return param(eqn, "call_jaxpr")
 
 
 def sub_jaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
@@ -140,7 +277,7 @@ def shaped(var: Any) -> jax.core.ShapedArray:
 
 def remat_body(eqn: JaxprEqn) -> Jaxpr:
     """The program a `remat` (`jax.checkpoint`) equation runs."""
-    return eqn.params["jaxpr"]
+    return param(eqn, "jaxpr")
 
 
 def name_stack(eqn: JaxprEqn) -> str:
@@ -187,3 +324,148 @@ def eval_jaxpr(
             if not isinstance(v, jex.core.DropVar):
                 env[v] = out
     return [_read(env, v) for v in jaxpr.outvars]
+
+
+# ------------------------------------------------------------------ probes
+
+
+def _eqns(fn: Callable, *args: Any) -> list[JaxprEqn]:
+    return list(jax.make_jaxpr(fn)(*args).jaxpr.eqns)
+
+
+def _only(eqns: list[JaxprEqn], primitive: Primitive | str) -> JaxprEqn:
+    found = [e for e in eqns if primitive in (e.primitive, e.primitive.name)]
+    name = primitive if isinstance(primitive, str) else primitive.name
+    _expect(len(found) == 1, f"one {name} equation where {CHECKED_AGAINST} trace one")
+    return found[0]
+
+
+_X = np.ones((2, 2), np.float32)
+
+
+@_probe("dot_general parameters")
+def _check_dot_params() -> None:
+    dims = (((1,), (0,)), ((), ()))
+    eqn = _only(_eqns(lambda a: lax.dot_general(a, a, dims, None, jnp.float32), _X), dot_general_p)
+    p = dot_params(eqn)
+    try:
+        as_tuples = tuple(tuple(map(tuple, d)) for d in p.dimension_numbers)
+    except TypeError:
+        as_tuples = None
+    _expect(as_tuples == dims, "dot_general's dimension_numbers as ((lc, rc), (lb, rb))")
+    _expect(np.dtype(p.preferred_element_type) == np.float32, "dot_general's result type")
+
+
+@_probe("conv_general_dilated parameters")
+def _check_conv_params() -> None:
+    x = np.ones((1, 1, 4), np.float32)
+    eqn = _only(
+        _eqns(lambda a: lax.conv_general_dilated(a, a, (1,), "SAME"), x), conv_general_dilated_p
+    )
+    _expect(len(conv_dimension_numbers(eqn)) == 3, "conv's (lhs, rhs, out) dimension numbers")
+    bind(eqn, [x, x], conv_with_result_type(eqn, np.dtype(np.float32)))
+
+
+@_probe("convert_element_type parameters")
+def _check_new_dtype() -> None:
+    eqn = _only(_eqns(lambda a: a.astype(jnp.bfloat16), _X), convert_element_type_p)
+    _expect(new_dtype(eqn) == jnp.bfloat16, "convert_element_type's new_dtype")
+
+
+@_probe("nested programs: jit and closed_call")
+def _check_call_program() -> None:
+    eqn = _only(_eqns(lambda a: jax.jit(jnp.sin)(a), _X), "jit")
+    _expect(eqn.primitive in CALL_JAXPR_PARAM, "jax.jit as the jit_p primitive")
+    _, program = call_program(eqn)
+    _expect(isinstance(program, ClosedJaxpr), "a jit equation's program as a ClosedJaxpr")
+
+
+@_probe("nested programs: scan, while_loop, cond")
+def _check_control_flow() -> None:
+    def f(a):
+        a = lax.scan(lambda c, _: (c * 2, None), a, length=2)[0]
+        a = lax.while_loop(lambda c: c[0, 0] < 4, lambda c: c * 2, a)
+        return lax.cond(a[0, 0] > 0, jnp.sin, jnp.cos, a)
+
+    eqns = _eqns(f, _X)
+    for primitive in CONTROL_FLOW_JAXPR_PARAMS:
+        programs = control_flow_programs(_only(eqns, primitive))
+        for value in programs.values():
+            for v in value if isinstance(value, tuple) else (value,):
+                _expect(isinstance(v, ClosedJaxpr), f"{primitive.name}'s programs")
+
+
+@_probe("jax.checkpoint")
+def _check_remat() -> None:
+    eqn = _only(_eqns(jax.checkpoint(jnp.sin), _X), remat_p)
+    _expect(isinstance(remat_body(eqn), Jaxpr), "a remat equation's program as a Jaxpr")
+    jax.checkpoint(jnp.sin, **remat_options(eqn))(_X)
+
+
+@_probe("custom_jvp")
+def _check_custom_jvp() -> None:
+    eqn = _only(_eqns(jax.nn.relu, _X), custom_jvp_call_p)
+    _expect(isinstance(custom_jvp_primal(eqn), ClosedJaxpr), "a custom_jvp's primal program")
+
+
+@_probe("shard_map")
+def _check_shard_map() -> None:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    spec = jax.sharding.PartitionSpec("d")
+    f = jax.shard_map(jnp.sin, mesh=mesh, in_specs=spec, out_specs=spec)
+    eqn = _only(_eqns(f, _X), SHARD_MAP_NAME)
+    _expect(isinstance(shard_map_body(eqn), Jaxpr), "a shard_map's per-device program")
+    # The specs are stored flat: the body takes and returns the flat values.
+    jax.shard_map(lambda *a: tuple(map(jnp.sin, a)), **shard_map_options(eqn))(_X)
+
+
+@_probe("inlined jit")
+def _check_inlined_jit() -> None:
+    eqns = _eqns(lambda a: inlined_jit(jnp.sin)(a), _X)
+    _expect([e.primitive.name for e in eqns] == ["sin"], "jax.jit inlined into the caller")
+
+
+@_probe("jnp.einsum's _dot_general")
+def _check_einsum() -> None:
+    calls = []
+
+    def dot_general(*args, **kwargs):
+        calls.append(1)
+        return lax.dot_general(*args, **kwargs)
+
+    einsum_with_dot_general(dot_general)("ij,jk->ik", _X, _X)
+    _expect(bool(calls), "jnp.einsum's _dot_general= argument, called for its products")
+
+
+@_probe("the forward-mode error of a custom_vjp")
+def _check_forward_mode_error() -> None:
+    f = jax.custom_vjp(jnp.sin)
+    f.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
+    try:
+        jax.jvp(f, (_X,), (_X,))
+    except TypeError as e:
+        _expect(is_forward_mode_of_custom_vjp(e), f"the text of {e!r}")
+    else:
+        raise JaxChanged("a TypeError for jax.jvp of a custom_vjp")
+
+
+@_probe("the loop-carry type error")
+def _check_carry_error() -> None:
+    try:
+        lax.scan(lambda c, _: (c.astype(jnp.bfloat16), None), _X, length=1)
+    except TypeError as e:
+        _expect(is_loop_carry_type_change(e), f"the text of {e!r}")
+    else:
+        raise JaxChanged("a TypeError for a scan body changing its carry's dtype")
+
+
+@_probe("eval_jaxpr: name stacks, contexts, literals, bind parameters")
+def _check_eval_jaxpr() -> None:
+    @jax.named_scope("probe")
+    def f(a):
+        return jnp.sin(a) * 2.0, jnp.argmax(a)
+
+    closed = jax.make_jaxpr(f)(_X)
+    _expect(all(name_stack(e) == "probe" for e in closed.jaxpr.eqns), "equation name stacks")
+    got = eval_jaxpr(closed.jaxpr, closed.consts, [_X], bind)
+    _expect(all(np.array_equal(a, b) for a, b in zip(got, f(_X))), "eval_jaxpr's results")

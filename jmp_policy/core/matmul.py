@@ -134,12 +134,12 @@ def _size(x, dims):
 
 def product_of(eqn: ji.JaxprEqn) -> Product:
     """A `dot_general` or `conv_general_dilated` equation as a `product` function."""
-    p = eqn.params
     if eqn.primitive is ji.dot_general_p:
-        return dot_product(p["dimension_numbers"], p["precision"], p.get("out_sharding"))
+        p = ji.dot_params(eqn)
+        return dot_product(p.dimension_numbers, p.precision, p.out_sharding)
 
     def conv(a, b, pet):
-        return ji.bind(eqn, [a, b], {**p, "preferred_element_type": pet})
+        return ji.bind(eqn, [a, b], ji.conv_with_result_type(eqn, pet))
 
     return conv
 
@@ -227,7 +227,7 @@ def _shared_accumulating_dot(
 ) -> Callable:
     del cpu_form  # Only a key: `dot_product` reads the setting as it traces.
     product = dot_product(dims, precision, out_sharding)
-    return jax.jit(_accumulating(product, *dtypes, shared=True), inline=True)
+    return ji.inlined_jit(_accumulating(product, *dtypes, shared=True))
 
 
 def _accumulating(
@@ -265,7 +265,7 @@ def _accumulating(
         lhs_bar, rhs_bar = ji.eval_jaxpr(closed.jaxpr, closed.consts, args, _accumulate_in_float32)
         return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
 
-    bwd: Callable = jax.jit(backward, inline=True) if shared else backward
+    bwd: Callable = ji.inlined_jit(backward) if shared else backward
     f.defvjp(fwd, lambda res, g: bwd(*res, g))
     return f
 
@@ -276,7 +276,7 @@ def call_reverse_mode_only(f: Callable, lhs: Any, rhs: Any, message: str) -> Any
         return f(lhs, rhs)
     except TypeError as e:
         # JAX's own message names neither this library nor a way out.
-        if "forward-mode" not in str(e) or "custom_vjp" not in str(e):
+        if not ji.is_forward_mode_of_custom_vjp(e):
             raise
         raise TypeError(message) from e
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
 from typing import Any, TypeVar
 
 import jax
@@ -80,7 +81,8 @@ def half_dtype() -> type[Any]:
     dtype('float16')
     """
     on_tpu = jax.local_devices()[0].platform == "tpu"
-    return jnp.bfloat16 if on_tpu else jnp.float16
+    # A class at run time; JAX's stubs call it a protocol.
+    return typing.cast(type[Any], jnp.bfloat16 if on_tpu else jnp.float16)
 
 
 def _to_float_dtype(value: Any, field: str) -> np.dtype:

@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jmp_policy.core import jax_internals
 from jmp_policy.core.autocast import matmuls_in
 from jmp_policy.core.matmul import matmul_dot_general
 from jmp_policy.core.policy import Policy
@@ -106,7 +107,7 @@ def matmul_overrides(module: Any, policy: Policy, *, rewritten: bool = False) ->
         overrides["qk_attn_weights_einsum_cls"] = None
         overrides["attn_weights_value_einsum_cls"] = None
     if isinstance(module, nnx.Einsum):
-        overrides["einsum_op"] = functools.partial(jnp.einsum, _dot_general=dot_general)
+        overrides["einsum_op"] = jax_internals.einsum_with_dot_general(dot_general)
     if isinstance(module, nnx.MultiHeadAttention):
         # Every layer's attention has the same shapes: one shared rewrite.
         overrides["attention_fn"] = matmuls_in(

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jmp_policy.core import jax_internals
 from jmp_policy.core.autocast import matmuls_in
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
@@ -310,10 +311,7 @@ class PolicyModule(nnx.Module):
                 rewritten = functools.partial(_with_matmuls, matmul=self.rewrite_matmul)
                 out = autocast_with_state(rewritten, self.module, args, kwargs)
         except TypeError as e:
-            if (
-                "carry input and carry output must have equal types" not in str(e)
-                or not self._switched
-            ):
+            if not (jax_internals.is_loop_carry_type_change(e) and self._switched):
                 raise
             raise TypeError(
                 f"jmp_policy.nnx: the rules put {self._switched} in another compute dtype than "

@@ -190,7 +190,11 @@ def flax_dynamic_scale(problem: Problem) -> Variant:
 
     def init(params):
         # Array leaves (not Python floats), so the first step does not retrace.
-        ds = DynamicScale(fin_steps=jnp.int32(0), scale=jnp.float32(INITIAL_SCALE))
+        # (Flax's annotations say int and float; its examples pass arrays too.)
+        ds = DynamicScale(
+            fin_steps=jnp.int32(0),  # type: ignore[arg-type]
+            scale=jnp.float32(INITIAL_SCALE),  # type: ignore[arg-type]
+        )
         return params, tx.init(params), ds
 
     def step(state, x, y):

@@ -1,0 +1,101 @@
+"""Every JAX internal jmp_policy reads, checked against the installed JAX.
+
+`jmp_policy/core/jax_internals.py` is the one module that touches what JAX does
+not promise to keep; each internal there has a probe. A JAX release that
+changes one fails here, with a message naming that JAX, before any feature
+gives a wrong result.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmp_policy.core import jax_internals as ji
+
+PACKAGE = pathlib.Path(ji.__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", sorted(ji.PROBES))
+def test_the_installed_jax_has_what_jmp_policy_reads(name):
+    ji.PROBES[name]()
+
+
+def test_every_internal_has_a_probe():
+    expected = {
+        "dot_general parameters",
+        "conv_general_dilated parameters",
+        "convert_element_type parameters",
+        "nested programs: jit and closed_call",
+        "nested programs: scan, while_loop, cond",
+        "jax.checkpoint",
+        "custom_jvp",
+        "shard_map",
+        "inlined jit",
+        "jnp.einsum's _dot_general",
+        "the forward-mode error of a custom_vjp",
+        "the loop-carry type error",
+        "eval_jaxpr: name stacks, contexts, literals, bind parameters",
+    }
+    assert set(ji.PROBES) == expected
+
+
+def test_a_missing_parameter_is_a_clear_error_naming_the_jax_version():
+    eqn = jax.make_jaxpr(jnp.sin)(1.0).jaxpr.eqns[0]
+    with pytest.raises(ji.JaxChanged, match=f"jax {jax.__version__}") as info:
+        ji.param(eqn, "dimension_numbers")
+    assert "'dimension_numbers' of sin equations" in str(info.value)
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_a_probe_fails_with_jax_changed_when_jax_changes(monkeypatch):
+    # As if a JAX release renamed dot_general's dimension_numbers.
+    real = ji.dot_params
+    monkeypatch.setattr(
+        ji, "dot_params", lambda eqn: real(eqn)._replace(dimension_numbers=((0,), (0,)))
+    )
+    with pytest.raises(ji.JaxChanged, match="dimension_numbers"):
+        ji.PROBES["dot_general parameters"]()
+
+
+def test_inlined_jit_leaves_no_call_and_is_traced_once():
+    traces = []
+
+    def f(x):
+        traces.append(1)
+        return jnp.sin(x) * 2
+
+    g = ji.inlined_jit(f)
+    x = np.ones(3, np.float32)
+    eqns = jax.make_jaxpr(lambda x: g(x) + g(x))(x).jaxpr.eqns
+    assert [e.primitive.name for e in eqns] == ["sin", "mul", "sin", "mul", "add"]
+    assert len(traces) == 1
+
+
+def _reads_outside_the_seam(path: pathlib.Path) -> list[str]:
+    """`x.params` attribute reads, `jax._src` imports and `_dot_general=` calls in `path`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "params":
+            if isinstance(node.value, ast.Name) and node.value.id == "eqn":
+                found.append(f"{path.name}:{node.lineno}: eqn.params")
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names]
+            if any(n.startswith("jax._src") for n in names):
+                found.append(f"{path.name}:{node.lineno}: jax._src")
+        if isinstance(node, ast.keyword) and node.arg == "_dot_general":
+            found.append(f"{path.name}:{node.lineno}: _dot_general=")
+    return found
+
+
+def test_no_module_but_the_seam_reads_jax_internals():
+    modules = [p for p in PACKAGE.rglob("*.py") if p.name != "jax_internals.py"]
+    assert len(modules) > 20
+    assert [r for p in modules for r in _reads_outside_the_seam(p)] == []
+    assert _reads_outside_the_seam(PACKAGE / "core" / "jax_internals.py") != []
