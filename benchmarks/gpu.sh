@@ -6,6 +6,11 @@
 #   benchmarks/gpu.sh                                   # from anywhere; no installs
 #   OUT=/some/dir benchmarks/gpu.sh                     # log + JSON there (else ./results)
 #   JMP_POLICY_BENCH_SIZE=tiny benchmarks/gpu.sh        # seconds on a CPU: a smoke test
+#   benchmarks/gpu.sh --lower-only                      # no GPU: the StableHLO's products
+#   benchmarks/gpu.sh --compile-only [--targets h200_sxm] [--backends default]
+#       no GPU: every variant compiled for an H100 and an H200 (memory, GEMM kernels);
+#       needs the CUDA plugin for the installed jaxlib, which ./run puts in
+#       .venv/cuda-plugin (used from there when present); ~25 min on 2 cores
 #
 # It uses the JAX already installed (python3 on PATH, or $PYTHON) and this
 # source tree (PYTHONPATH=.). $JMP_POLICY_BENCH_BUDGET_S (default 400 for the
@@ -15,6 +20,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${1:-}" = --compile-only ]; then
+    shift
+    [ -d .venv/cuda-plugin ] && PYTHONPATH="$PYTHONPATH:$PWD/.venv/cuda-plugin"
+    exec "$PY" -m jmp_policy.app.benchmarks.gpu_compile --require-cuda-plugin "$@"
+fi
 if command -v timeout >/dev/null; then
     exec timeout --kill-after=5 475 "$PY" -m jmp_policy.app.benchmarks.gpu_transformer "$@"
 fi

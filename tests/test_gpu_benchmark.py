@@ -186,6 +186,7 @@ EXPECTED_PRODUCTS = {
     # output gradient with a saved e4m3 operand backward (never e5m2 x e5m2).
     "policy mixed_float8": "9 f8E4M3FN x f8E4M3FN -> f32, 18 f8E5M2 x f8E4M3FN -> f32",
     "float32 HIGHEST": "27 f32 x f32 -> f32",
+    "policy mixed_float8_rowwise": "9 f8E4M3FN x f8E4M3FN -> f32, 18 f8E5M2 x f8E4M3FN -> f32",
 }
 
 
@@ -204,7 +205,7 @@ def lower_only_run(tmp_path_factory):
 def test_gpu_sh_lower_only_prints_what_a_gpu_would_run(lower_only_run):
     run = lower_only_run
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "lowered for cuda" in run.stdout and "8 of 8 variants as claimed" in run.stdout
+    assert "lowered for cuda" in run.stdout and "9 of 9 variants as claimed" in run.stdout
     assert "NOT AS CLAIMED" not in run.stdout
     rows = {}
     for line in run.stdout.splitlines():

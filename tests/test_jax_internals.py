@@ -78,17 +78,13 @@ def test_inlined_jit_leaves_no_call_and_is_traced_once():
 
 
 def _reads_outside_the_seam(path: pathlib.Path) -> list[str]:
-    """`x.params` attribute reads, `jax._src` imports and `_dot_general=` calls in `path`."""
+    """Reads of an equation's `params` and `_dot_general=` calls in `path` (private
+    imports of JAX: tests/test_packaging.py)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Attribute) and node.attr == "params":
             if isinstance(node.value, ast.Name) and node.value.id == "eqn":
                 found.append(f"{path.name}:{node.lineno}: eqn.params")
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            names += [a.name for a in node.names]
-            if any(n.startswith("jax._src") for n in names):
-                found.append(f"{path.name}:{node.lineno}: jax._src")
         if isinstance(node, ast.keyword) and node.arg == "_dot_general":
             found.append(f"{path.name}:{node.lineno}: _dot_general=")
     return found

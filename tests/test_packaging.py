@@ -135,6 +135,7 @@ def test_wheel_contents(wheel):
     # The installation guide's install command names this very file.
     assert f"dist/{wheel.name}[" in (ROOT / "docs" / "guides" / "getting_started.md").read_text()
     assert "jmp_policy/py.typed" in names
+    assert "jmp_policy/app/benchmarks/gpu_targets/h200_sxm.txtpb" in names
     assert "jmp_policy/app/benchmarks/transformer.py" in names
     assert "jmp_policy/app/benchmarks/_transformer_lm.py" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)

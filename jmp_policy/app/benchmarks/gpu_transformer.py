@@ -41,6 +41,9 @@ from the same float32 parameters on the same tokens:
                              where `Policy` has a `matmul_dtype` field
   float32 HIGHEST            float32 under `jax.default_matmul_precision("highest")`
                              (true float32, no TF32)
+  policy mixed_float8_rowwise
+                             FP8 with a scale per row (last: new, and skipped
+                             first when the budget runs short)
 
 All but `with_policy + loss_scaled` use plain `optax.adam`.
 
@@ -328,6 +331,7 @@ VARIANTS = (
     Variant("policy m=bf16", policy="p=f32,c=bf16,o=f32,m=bf16", needs_matmul_dtype=True),
     Variant(FP8, policy="mixed_float8", needs_matmul_dtype=True),
     Variant("float32 HIGHEST", precision="highest"),
+    Variant("policy mixed_float8_rowwise", policy="mixed_float8_rowwise", needs_matmul_dtype=True),
 )
 
 
@@ -372,7 +376,7 @@ def claims(variant: Variant, grad_leaves: int, state_leaves: int) -> dict[str, A
     """What `variant`'s lowered train step must show on a GPU (`_gpu_lowering.check`)."""
     if variant.name in (REFERENCE, "float32 HIGHEST"):
         out: dict[str, Any] = {"operands": {"f32"}, "result": "f32"}
-    elif variant.policy == "mixed_float8":
+    elif (variant.policy or "").startswith("mixed_float8"):
         out = {"operands": {_gpu_lowering.E4M3, _gpu_lowering.E5M2}, "result": "f32", "fp8": True}
     elif variant.half_dot_general or "m=bf16" in (variant.policy or ""):
         out = {"operands": {"bf16"}, "result": "f32"}  # float32 accumulation

@@ -1,0 +1,217 @@
+"""What XLA's GPU compiler built: the GEMMs and kernels of an optimised HLO module.
+
+Reads the text of `jax.jit(f).lower(...).compile().as_text()` for a CUDA
+target. A GEMM is a Triton GEMM fusion (`__triton_gemm`, or the nested form
+`__triton_nested_gemm_fusion`), a cuBLASLt call (`__cublas$lt$matmul`, FP8:
+`__cublas$lt$matmul$f8`, whose operands after the two matrices are its
+float32 scales), a cuBLAS call (`__cublas$gemm`), or a cuDNN fusion. Its
+operand types are those the Tensor Cores multiply: for a fusion, those of the
+`dot` inside it, so an FP8 operand upcast to bf16 before the product shows
+as bf16. Counted in the scheduled computations (the entry and the loop
+bodies; a `nn.scan` body once, not once per layer), not in fused ones.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_ELEMENT = re.compile(r"^\(?([a-z][a-z0-9]*)\[")
+_FUSION_KIND = re.compile(r'"kind":"([^"]+)"')
+GEMM_TARGETS = {
+    "__cublas$lt$matmul": "cuBLASLt",
+    "__cublas$lt$matmul$f8": "cuBLASLt FP8",
+    "__cublas$gemm": "cuBLAS",
+}
+TRITON_GEMM_KINDS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__triton_scaled_dot_fusion")
+# Ops that only rename a value: a reader behind them reads the GEMM's result.
+_VIEWS = ("get-tuple-element", "bitcast")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    type: str  # The result's shape, e.g. `f32[8,16]{1,0}` or a tuple `(f32[..], s8[..])`.
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: str
+
+    @property
+    def element_type(self) -> str:
+        """The element type of the result (of its first element, for a tuple)."""
+        m = _ELEMENT.match(self.type)
+        return m[1] if m else "?"
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One GEMM kernel: its back end and the element types it multiplies into."""
+
+    kind: str  # "Triton", "cuBLASLt", "cuBLASLt FP8", "cuBLAS", "cuDNN", or "unfused dot".
+    lhs: str
+    rhs: str
+    out: str
+    scale_operands: int  # Float32 scalars a cuBLASLt FP8 call applies in its epilogue.
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """The kernels of a compiled program.
+
+    Attributes:
+      gemms: every GEMM, in program order.
+      fusions: the fused kernels (`fusion` instructions, GEMM fusions included).
+      gemm_result_readers: how many instructions read a GEMM's result,
+        summed over the GEMMs: each is a pass over that result, unless it
+        is a GEMM epilogue.
+    """
+
+    gemms: tuple[Gemm, ...]
+    fusions: int
+    gemm_result_readers: int
+
+    def gemm_table(self) -> collections.Counter[tuple[str, str, str, str]]:
+        """`{(kind, lhs, rhs, out): count}`."""
+        return collections.Counter((g.kind, g.lhs, g.rhs, g.out) for g in self.gemms)
+
+
+def _split_instruction(name: str, rest: str) -> Instruction | None:
+    """`type opcode(operands), attributes` -> an `Instruction`."""
+    if rest.startswith("("):  # A tuple type: up to its closing parenthesis.
+        depth = 0
+        for end, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                break
+        type_, rest = rest[: end + 1], rest[end + 2 :]
+    else:
+        type_, _, rest = rest.partition(" ")
+    opcode, paren, rest = rest.partition("(")
+    if not paren:
+        return None
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            end = i
+            break
+    operands = tuple(re.findall(r"%([\w.\-]+)", rest[:end]))
+    return Instruction(name, type_, opcode.strip(), operands, rest[end + 1 :])
+
+
+def computations(text: str) -> dict[str, list[Instruction]]:
+    """The module's computations by name, each its instructions in order."""
+    out: dict[str, list[Instruction]] = {}
+    current: list[Instruction] | None = None
+    for line in text.splitlines():
+        if header := _HEADER.match(line):
+            current = out.setdefault(header[1], [])
+        elif line.strip() == "}":
+            current = None
+        elif current is not None and (m := _INSTRUCTION.match(line)):
+            instruction = _split_instruction(m[1], m[2])
+            if instruction is not None:
+                current.append(instruction)
+    return out
+
+
+def _dot_in(name: str, comps: dict[str, list[Instruction]]) -> tuple[str, str, str] | None:
+    """`(lhs, rhs, out)` element types of the `dot` in a fused computation (or one it calls)."""
+    body = comps.get(name, [])
+    types = {i.name: i.element_type for i in body}
+    for i in body:
+        if i.opcode == "dot" and len(i.operands) >= 2:
+            return types.get(i.operands[0], "?"), types.get(i.operands[1], "?"), i.element_type
+    for i in body:
+        for called in _CALLS.findall(i.attributes):
+            if found := _dot_in(called, comps):
+                return found
+    return None
+
+
+def _library_call_in(name: str, comps: dict[str, list[Instruction]]) -> Gemm | None:
+    """The cuBLAS GEMM a fused computation wraps, if any."""
+    body = comps.get(name, [])
+    types = {i.name: i.element_type for i in body}
+    for i in body:
+        if i.opcode == "custom-call" and (gemm := _gemm(i, types, comps)) is not None:
+            return gemm
+    return None
+
+
+def _gemm(
+    i: Instruction, types: dict[str, str], comps: dict[str, list[Instruction]]
+) -> Gemm | None:
+    if i.opcode == "custom-call":
+        target = _TARGET.search(i.attributes)
+        kind = GEMM_TARGETS.get(target[1]) if target else None
+        if kind is None:
+            return None
+        lhs, rhs = (types.get(o, "?") for o in i.operands[:2])
+        scales = sum(types.get(o) == "f32" for o in i.operands[2:]) if "FP8" in kind else 0
+        return Gemm(kind, lhs, rhs, i.element_type, scales)
+    if i.opcode == "fusion":
+        fusion_kind = _FUSION_KIND.search(i.attributes)
+        fusion_kind_name = fusion_kind[1] if fusion_kind else ""
+        called = _CALLS.search(i.attributes)
+        if fusion_kind_name in TRITON_GEMM_KINDS:
+            kind = "Triton"
+        elif fusion_kind_name.startswith("__cudnn"):
+            kind = "cuDNN"
+        else:
+            # A custom fusion around a cuBLAS call (e.g. one whose operand is a
+            # dynamic slice of a scanned layer's weights): the call inside.
+            return _library_call_in(called[1], comps) if called else None
+        dot = _dot_in(called[1], comps) if called else None
+        lhs, rhs, out = dot or ("?", "?", i.element_type)
+        return Gemm(kind, lhs, rhs, out, 0)
+    if i.opcode == "dot":
+        lhs, rhs = (types.get(o, "?") for o in i.operands[:2])
+        return Gemm("unfused dot", lhs, rhs, i.element_type, 0)
+    return None
+
+
+def read(text: str) -> Program:
+    """The `Program` of an optimised HLO module's text."""
+    comps = computations(text)
+    fused = {
+        name
+        for body in comps.values()
+        for i in body
+        if i.opcode == "fusion"
+        for name in _CALLS.findall(i.attributes)
+    }
+    gemms: list[Gemm] = []
+    fusions = readers = 0
+    for name, body in comps.items():
+        if name in fused:
+            continue
+        types = {i.name: i.element_type for i in body}
+        by_operand: dict[str, list[Instruction]] = collections.defaultdict(list)
+        for i in body:
+            for o in set(i.operands):
+                by_operand[o].append(i)
+        for i in body:
+            fusions += i.opcode == "fusion"
+            gemm = _gemm(i, types, comps)
+            if gemm is None:
+                continue
+            gemms.append(gemm)
+            readers += _readers(i.name, by_operand)
+    return Program(tuple(gemms), fusions, readers)
+
+
+def _readers(name: str, by_operand: dict[str, list[Instruction]]) -> int:
+    """The instructions that read `name`, looking through views of it."""
+    count = 0
+    for reader in by_operand.get(name, []):
+        if reader.opcode in _VIEWS:
+            count += _readers(reader.name, by_operand)
+        else:
+            count += 1
+    return count

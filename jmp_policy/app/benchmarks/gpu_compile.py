@@ -1,0 +1,308 @@
+"""The GPU benchmark's train steps compiled for an H100 and an H200, without a GPU.
+
+XLA compiles for an NVIDIA GPU on a machine with none ("deviceless" ahead-of-
+time compilation, as JAX's `tests/deviceless_aot_test.py` does): a CUDA
+topology made from a target config (`gpu_targets/*.txtpb`, one per GPU), the
+arguments as `ShapeDtypeStruct`s on its device, then
+`jax.jit(step).trace(...).lower().compile()`. What comes back is the real
+executable's plan: its memory (`memory_analysis()`: temporary, argument and
+output bytes) and its kernels (the optimised HLO: `_compiled_hlo`). Not a
+timing, and not quite the real GPU's choices: without a GPU there is no
+autotuning, so the GEMM back end (Triton or cuBLAS) is XLA's default guess;
+each variant is also compiled with Triton GEMMs off, which gives the cuBLAS
+path. It needs the CUDA plugin built for the installed jaxlib (`pip install
+--no-deps jax-cuda12-plugin==V jax-cuda12-pjrt==V`, V the jaxlib version);
+no CUDA toolkit or driver.
+
+Variants: those of `gpu_transformer` (the same model, step and size) that
+the targets compare: float32, Flax's hand-written bf16, `with_policy`
+mixed_bfloat16, `+ loss_scaled`, `m=bf16`, `mixed_float8`,
+`mixed_float8_rowwise`. Targets, each printed as holds / falls short:
+mixed_bfloat16's temporary memory at most the hand-written config's and half
+float32's; `loss_scaled` adds under 1% and no GEMM; every GEMM of `m=bf16`
+bf16 x bf16 -> f32; every GEMM of the FP8 variants on FP8 operands (no FP8
+upcast before a GEMM); row-wise FP8 reads its GEMMs' results no more often
+than `m=bf16` does (its scales ride in the epilogue or in passes the program
+makes anyway).
+
+Usage::
+
+    benchmarks/gpu.sh --compile-only                 # both GPUs, every variant
+    PYTHONPATH=. python -m jmp_policy.app.benchmarks.gpu_compile --targets h200_sxm
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jmp_policy.app.benchmarks import _compiled_hlo
+from jmp_policy.app.benchmarks import gpu_transformer as bench
+
+TARGETS_DIR = Path(__file__).with_name("gpu_targets")
+# GEMM back ends: XLA's default, and with Triton GEMMs off (cuBLAS / cuBLASLt).
+BACKENDS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "triton-off": {"xla_gpu_enable_triton_gemm": False},
+}
+M_BF16, ROWWISE = "policy m=bf16", "policy mixed_float8_rowwise"
+VARIANTS = (
+    bench.REFERENCE, bench.BY_HAND, bench.WITH_POLICY, bench.LOSS_SCALED, M_BF16, bench.FP8,
+    ROWWISE,
+)  # fmt: skip
+JSON_NAME = "gpu_compile.json"
+
+
+def target_configs() -> dict[str, str]:
+    """The GPU target configs shipped with the package, by name (e.g. "h200_sxm")."""
+    return {p.stem: p.read_text() for p in sorted(TARGETS_DIR.glob("*.txtpb"))}
+
+
+def cuda_device(target_config: str) -> Any:
+    """The device of a one-GPU CUDA topology made from `target_config` (no GPU needed).
+
+    Raises:
+      RuntimeError: if JAX cannot make a CUDA topology (no CUDA plugin for this jaxlib).
+    """
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=target_config, topology="1x1x1"
+        )
+    except Exception as e:  # JAX's error for a platform without a plugin.
+        version = jax.__version__
+        raise RuntimeError(
+            f"compiling for a GPU needs the CUDA plugin built for jaxlib {version}: pip install "
+            f"--no-deps jax-cuda12-plugin=={version} jax-cuda12-pjrt=={version} "
+            f"(./run puts them in .venv/cuda-plugin). JAX said: {e}"
+        ) from e
+    return topology.devices[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One variant compiled for one GPU with one GEMM back end."""
+
+    variant: str
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    program: _compiled_hlo.Program
+    compile_s: float
+
+
+def compile_variant(name: str, cfg: bench.Config, device: Any, options: dict[str, Any]) -> Row:
+    """Compiles the train step of the variant called `name` for `device`."""
+    (variant,) = [v for v in bench.VARIANTS if v.name == name]
+    _, _, tx, step = bench._build(variant, cfg)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def on_device(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    inputs = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), jnp.int32)
+    params = jax.eval_shape(bench.TransformerLM(cfg).init, jax.random.key(0), inputs)
+    state = jax.tree.map(on_device, jax.eval_shape(tx.init, params))
+    params = jax.tree.map(on_device, params)
+    tokens = on_device(jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32))
+    start = time.perf_counter()
+    with jax.numpy_dtype_promotion("standard"):  # optax's adam: float ** int32
+        compiled = jax.jit(step).trace(params, state, tokens).lower().compile(options)
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    return Row(
+        name,
+        int(memory.temp_size_in_bytes),
+        int(memory.argument_size_in_bytes),
+        int(memory.output_size_in_bytes),
+        _compiled_hlo.read(compiled.as_text()),
+        seconds,
+    )
+
+
+def _fp8(t: str) -> bool:
+    return t.startswith("f8")
+
+
+def verdicts(rows: dict[str, Row]) -> list[tuple[str, bool | None]]:
+    """Each target of one GPU and back end, with whether it holds (None: a variant missing)."""
+    out: list[tuple[str, bool | None]] = []
+
+    def target(text: str, names: Sequence[str], test: Any) -> None:
+        if all(n in rows for n in names):
+            out.append((text, bool(test(*(rows[n] for n in names)))))
+        else:
+            out.append((text, None))
+
+    target(
+        "mixed_bfloat16 temp memory <= the hand-written bf16 config's",
+        (bench.WITH_POLICY, bench.BY_HAND),
+        lambda p, h: p.temp_bytes <= h.temp_bytes,
+    )
+    target(
+        "mixed_bfloat16 temp memory <= 0.5 x float32's",
+        (bench.WITH_POLICY, bench.REFERENCE),
+        lambda p, f: p.temp_bytes <= 0.5 * f.temp_bytes,
+    )
+    target(
+        "loss_scaled adds < 1% temp memory and no GEMM",
+        (bench.LOSS_SCALED, bench.WITH_POLICY),
+        lambda s, p: s.temp_bytes < 1.01 * p.temp_bytes
+        and len(s.program.gemms) == len(p.program.gemms),
+    )
+    target(
+        "every GEMM of m=bf16 is bf16 x bf16 -> f32",
+        (M_BF16,),
+        lambda m: all((g.lhs, g.rhs, g.out) == ("bf16", "bf16", "f32") for g in m.program.gemms),
+    )
+    for name in (bench.FP8, ROWWISE):
+        target(
+            f"every GEMM of {name.split()[-1]} on FP8 operands, as many as m=bf16's",
+            (name, M_BF16),
+            lambda f, m: all(_fp8(g.lhs) and _fp8(g.rhs) for g in f.program.gemms)
+            and len(f.program.gemms) == len(m.program.gemms),
+        )
+    target(
+        "rowwise FP8 scales in the epilogue or a fused pass (GEMM-result reads <= m=bf16's)",
+        (ROWWISE, M_BF16),
+        lambda r, m: r.program.gemm_result_readers <= m.program.gemm_result_readers,
+    )
+    return out
+
+
+def _gemm_text(program: _compiled_hlo.Program) -> str:
+    table = program.gemm_table()
+    parts = [f"{n} {kind} {a} x {b} -> {o}" for (kind, a, b, o), n in sorted(table.items())]
+    scales = sum(g.scale_operands for g in program.gemms)
+    return ", ".join(parts) + (f"; {scales} f32 scale operands" if scales else "")
+
+
+def print_table(gpu: str, backend: str, rows: dict[str, Row], log: Any) -> list[tuple[str, Any]]:
+    """Prints one GPU's and back end's table and its verdicts; returns the verdicts."""
+    log(f"{gpu}, GEMM back end: {backend}")
+    big = max((r.temp_bytes for r in rows.values()), default=0) >= 1e9
+    unit, per = ("GB", 1e9) if big else ("MB", 1e6)
+    log(
+        f"{'variant':<29} {'temp ' + unit:>8} {'args ' + unit:>8} {'out ' + unit:>7} "
+        f"{'fusions':>7} {'GEMM reads':>10} {'compile s':>9}  GEMMs (kernel: operands -> result)"
+    )
+    for r in rows.values():
+        log(
+            f"{r.variant:<29} {r.temp_bytes / per:>8.2f} {r.argument_bytes / per:>8.2f} "
+            f"{r.output_bytes / per:>7.2f} {r.program.fusions:>7} "
+            f"{r.program.gemm_result_readers:>10} {r.compile_s:>9.1f}  {_gemm_text(r.program)}"
+        )
+    found = verdicts(rows)
+    for text, holds in found:
+        log(f"  {'n/a' if holds is None else 'holds' if holds else 'FALLS SHORT'}: {text}")
+    log()
+    return found
+
+
+def _row_json(r: Row) -> dict[str, Any]:
+    table = r.program.gemm_table()
+    return {
+        "temp_bytes": r.temp_bytes,
+        "argument_bytes": r.argument_bytes,
+        "output_bytes": r.output_bytes,
+        "fusions": r.program.fusions,
+        "gemm_result_readers": r.program.gemm_result_readers,
+        "fp8_scale_operands": sum(g.scale_operands for g in r.program.gemms),
+        "gemms": [{"kernel": k, "lhs": a, "rhs": b, "out": o, "count": n}
+                  for (k, a, b, o), n in sorted(table.items())],
+        "compile_s": round(r.compile_s, 2),
+    }  # fmt: skip
+
+
+def _names(text: str, accepted: Sequence[str], what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in accepted]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown {what} {unknown[0] if unknown else text!r}; accepted: {', '.join(accepted)}"
+        )
+    return names
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Compiles the variants for each GPU and back end, prints the tables, writes the JSON.
+
+    Args:
+      argv: `--size gpu|tiny` (default gpu; `--quick`: tiny, the H200, the
+        default back end), `--targets` and `--backends` (comma-separated),
+        `--variants` (comma-separated names of `VARIANTS`), `--out DIR`
+        (default `$OUT`, else ./results), `--require-cuda-plugin` (exit 1,
+        not 0, where the CUDA plugin is missing).
+
+    Returns:
+      0 if every variant compiled (or the plugin is missing and not required), else 1.
+    """
+    targets = target_configs()
+    parser = argparse.ArgumentParser(prog="gpu_compile", description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=("gpu", "tiny"), default=None)
+    parser.add_argument("--quick", action="store_true", help="tiny size, H200, default back end")
+    parser.add_argument(
+        "--targets", type=lambda t: _names(t, list(targets), "target"), default=None
+    )
+    parser.add_argument(
+        "--backends", type=lambda t: _names(t, list(BACKENDS), "back end"), default=None
+    )
+    parser.add_argument(
+        "--variants", type=lambda t: _names(t, VARIANTS, "variant"), default=list(VARIANTS)
+    )
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--require-cuda-plugin", action="store_true")
+    args = parser.parse_args(argv)
+    jax.config.update("jax_platforms", "cpu")  # Compile for the GPU; run nothing.
+    size = args.size or ("tiny" if args.quick else "gpu")
+    cfg = bench.CONFIGS[size]
+    chosen = args.targets or (["h200_sxm"] if args.quick else list(targets))
+    backends = args.backends or (["default"] if args.quick else list(BACKENDS))
+    log = bench._Log()
+    try:
+        devices = {t: cuda_device(targets[t]) for t in chosen}
+    except RuntimeError as e:
+        log(f"gpu_compile: not run: {e}")
+        return 1 if args.require_cuda_plugin else 0
+    log(
+        f"train steps compiled for a GPU without one (not a timing), jax {jax.__version__}: "
+        f"size {size} (width {cfg.width}, {cfg.layers} layers, seq {cfg.seq}, batch {cfg.batch})"
+    )
+    figures: dict[str, Any] = {"jax": jax.__version__, "size": size, "targets": {}}
+    failed = 0
+    for name in chosen:
+        gpu = f"{devices[name].device_kind} ({name}.txtpb)"
+        for backend in backends:
+            rows = {}
+            for variant in args.variants:
+                try:
+                    rows[variant] = compile_variant(variant, cfg, devices[name], BACKENDS[backend])
+                except Exception as e:  # Reported in the table's place; the others go on.
+                    failed += 1
+                    log(f"{variant}: did not compile: {type(e).__name__}: {str(e)[:300]}")
+            found = print_table(gpu, backend, rows, log)
+            figures["targets"].setdefault(name, {})[backend] = {
+                "device_kind": devices[name].device_kind,
+                "variants": {v: _row_json(r) for v, r in rows.items()},
+                "verdicts": {text: holds for text, holds in found},
+            }
+    out = args.out or Path(os.environ.get("OUT") or "results")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / JSON_NAME).write_text(json.dumps(figures, indent=1) + "\n")
+    log(f"wrote {out / JSON_NAME}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

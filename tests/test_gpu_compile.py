@@ -1,0 +1,146 @@
+"""`benchmarks/gpu.sh --compile-only`: train steps compiled for a GPU on this CPU-only machine.
+
+The reading of XLA's optimised HLO is checked on a small module written
+here (every GEMM kind, FP8 scales, a cuBLAS call inside a custom fusion,
+reads through tuple views). The compile itself runs as a user runs it
+(bash, the CUDA plugin from `.venv/cuda-plugin`, which `./run` installs), at
+the tiny size, for one variant and one GPU: the table and the JSON keep
+their structure and the FP8 GEMMs are FP8. It needs the CUDA plugin built
+for the installed jaxlib; without one it skips, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jaxlib
+import pytest
+
+from jmp_policy.app.benchmarks import _compiled_hlo, gpu_compile
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGIN = ROOT / ".venv" / "cuda-plugin"
+
+HLO = """\
+HloModule jit_step, entry_computation_layout={()->f32[]}
+
+%fused_computation.gemm (param_0: f8e4m3fn[16,32], param_1: f8e5m2[32,8]) -> f32[16,8] {
+  %param_0 = f8e4m3fn[16,32]{1,0} parameter(0)
+  %param_1 = f8e5m2[32,8]{1,0} parameter(1)
+  ROOT %dot.1 = f32[16,8]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_upcast (param_0.2: f8e4m3fn[16,32]) -> bf16[16,32] {
+  %param_0.2 = f8e4m3fn[16,32]{1,0} parameter(0)
+  ROOT %convert.1 = bf16[16,32]{1,0} convert(%param_0.2)
+}
+
+%fused_computation.upcast_gemm (param_0.3: f8e4m3fn[16,32], param_1.3: bf16[32,8]) -> f32[16,8] {
+  %param_0.3 = f8e4m3fn[16,32]{1,0} parameter(0)
+  %fusion.9 = bf16[16,32]{1,0} fusion(%param_0.3), kind=kLoop, calls=%fused_upcast
+  %param_1.3 = bf16[32,8]{1,0} parameter(1)
+  ROOT %dot.2 = f32[16,8]{1,0} dot(%fusion.9, %param_1.3), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%address_computation (p0: bf16[4,16,32], p1: bf16[32,8], p2: s32[]) -> (f32[16,8], s8[64]) {
+  %p0 = bf16[4,16,32]{2,1,0} parameter(0)
+  %p2 = s32[] parameter(2)
+  %slice = bf16[1,16,32]{2,1,0} dynamic-slice(%p0, %p2, %p2, %p2), dynamic_slice_sizes={1,16,32}
+  %bitcast.3 = bf16[16,32]{1,0} bitcast(%slice)
+  %p1 = bf16[32,8]{1,0} parameter(1)
+  ROOT %cublas.9 = (f32[16,8]{1,0}, s8[64]{0}) custom-call(%bitcast.3, %p1), custom_call_target="__cublas$lt$matmul"
+}
+
+%fused_add (param_0.4: f32[16,8], param_1.4: f32[16,8]) -> f32[16,8] {
+  %param_0.4 = f32[16,8]{1,0} parameter(0)
+  %param_1.4 = f32[16,8]{1,0} parameter(1)
+  ROOT %add.1 = f32[16,8]{1,0} add(%param_0.4, %param_1.4)
+}
+
+ENTRY %main.1 (a: f8e4m3fn[16,32], b: f8e5m2[32,8], c: bf16[32,8], w: bf16[4,16,32]) -> f32[16,8] {
+  %a = f8e4m3fn[16,32]{1,0} parameter(0)
+  %b = f8e5m2[32,8]{1,0} parameter(1)
+  %c = bf16[32,8]{1,0} parameter(2)
+  %w = bf16[4,16,32]{2,1,0} parameter(3)
+  %one = f32[] constant(1)
+  %i = s32[] constant(0)
+  %gemm_fusion.1 = f32[16,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_computation.gemm, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %gemm_fusion.2 = f32[16,8]{1,0} fusion(%a, %c), kind=kCustom, calls=%fused_computation.upcast_gemm, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %cublas-gemm.1 = (f32[16,8]{1,0}, s8[1024]{0}) custom-call(%a, %b, %one, %one), custom_call_target="__cublas$lt$matmul$f8"
+  %get-tuple-element.1 = f32[16,8]{1,0} get-tuple-element(%cublas-gemm.1), index=0
+  %address.1 = (f32[16,8]{1,0}, s8[64]{0}) fusion(%w, %c, %i), kind=kCustom, calls=%address_computation, backend_config={"fusion_backend_config":{"kind":"__custom_fusion"}}
+  %get-tuple-element.2 = f32[16,8]{1,0} get-tuple-element(%address.1), index=0
+  %loop_add_fusion = f32[16,8]{1,0} fusion(%gemm_fusion.1, %get-tuple-element.1), kind=kLoop, calls=%fused_add
+  %loop_add_fusion.1 = f32[16,8]{1,0} fusion(%gemm_fusion.2, %get-tuple-element.2), kind=kLoop, calls=%fused_add
+  ROOT %loop_add_fusion.2 = f32[16,8]{1,0} fusion(%loop_add_fusion, %loop_add_fusion.1), kind=kLoop, calls=%fused_add
+}
+"""
+
+
+def test_the_gemms_of_an_optimised_module():
+    program = _compiled_hlo.read(HLO)
+    assert program.gemm_table() == {
+        ("Triton", "f8e4m3fn", "f8e5m2", "f32"): 1,
+        # The FP8 operand upcast before the product shows as what is multiplied.
+        ("Triton", "bf16", "bf16", "f32"): 1,
+        ("cuBLASLt FP8", "f8e4m3fn", "f8e5m2", "f32"): 1,
+        ("cuBLASLt", "bf16", "bf16", "f32"): 1,  # Inside the custom fusion.
+    }
+    assert [g.scale_operands for g in program.gemms] == [0, 0, 2, 0]
+    assert program.fusions == 6  # In the entry only: the fused computations' own are not kernels.
+    assert program.gemm_result_readers == 4  # Each GEMM read once, through its tuple view.
+
+
+def test_an_unknown_target_or_variant_is_a_usage_error(capsys):
+    for argv in (["--targets", "h900"], ["--variants", "bf17"], ["--backends", "tpu"]):
+        with pytest.raises(SystemExit) as info:
+            gpu_compile.main(argv)
+        assert info.value.code == 2
+        assert "accepted:" in capsys.readouterr().err
+
+
+def test_the_shipped_targets_are_an_h100_and_an_h200():
+    configs = gpu_compile.target_configs()
+    assert set(configs) == {"h100_sxm", "h200_sxm"}
+    assert 'device_description_str: "NVIDIA H200"' in configs["h200_sxm"]
+    assert all("major: 9" in text for text in configs.values())  # Hopper, sm_90
+
+
+def _plugin_version() -> str | None:
+    found = sorted(PLUGIN.glob("jax_cuda12_plugin-*.dist-info"))
+    return found[0].name.split("-")[1].removesuffix(".dist-info") if found else None
+
+
+@pytest.mark.slow
+def test_compile_only_prints_the_table_with_its_verdicts(tmp_path):
+    version = _plugin_version()
+    if version != jaxlib.__version__:
+        pytest.skip(
+            f"no CUDA plugin for jaxlib {jaxlib.__version__} in {PLUGIN} (found {version}); "
+            "./run installs it where pip has one"
+        )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+    env.update(PYTHON=sys.executable, OUT=str(tmp_path))
+    variant = "policy mixed_float8"
+    args = ["--size", "tiny", "--targets", "h200_sxm", "--backends", "default"]
+    run = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--compile-only", *args,
+         "--variants", variant],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert "NVIDIA H200 (h200_sxm.txtpb), GEMM back end: default" in lines
+    (row,) = [line for line in lines if line.startswith(variant)]
+    assert "f8e4m3fn x f8e4m3fn -> f32" in row
+    assert "  n/a: every GEMM of mixed_float8 on FP8 operands, as many as m=bf16's" in lines
+    figures = json.loads((tmp_path / gpu_compile.JSON_NAME).read_text())
+    (result,) = figures["targets"]["h200_sxm"]["default"]["variants"].values()
+    assert result["temp_bytes"] > 0 and result["argument_bytes"] > 0
+    kinds = {(g["lhs"], g["rhs"], g["out"]) for g in result["gemms"]}
+    assert all(a.startswith("f8") and b.startswith("f8") and o == "f32" for a, b, o in kinds)
+    assert sum(g["count"] for g in result["gemms"]) == 23  # Every product of the tiny step.
