@@ -55,17 +55,25 @@ HloModule jit_step, entry_computation_layout={()->f32[]}
   ROOT %cublas.9 = (f32[16,8]{1,0}, s8[64]{0}) custom-call(%bitcast.3, %p1), custom_call_target="__cublas$lt$matmul"
 }
 
+%fused_small_dot (param_0.5: bf16[2,32], param_1.5: bf16[32,8]) -> f32[2,8] {
+  %param_0.5 = bf16[2,32]{1,0} parameter(0)
+  %param_1.5 = bf16[32,8]{1,0} parameter(1)
+  ROOT %dot.3 = f32[2,8]{1,0} dot(%param_0.5, %param_1.5), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
 %fused_add (param_0.4: f32[16,8], param_1.4: f32[16,8]) -> f32[16,8] {
   %param_0.4 = f32[16,8]{1,0} parameter(0)
   %param_1.4 = f32[16,8]{1,0} parameter(1)
   ROOT %add.1 = f32[16,8]{1,0} add(%param_0.4, %param_1.4)
 }
 
-ENTRY %main.1 (a: f8e4m3fn[16,32], b: f8e5m2[32,8], c: bf16[32,8], w: bf16[4,16,32]) -> f32[16,8] {
+ENTRY %main.1 (a: f8e4m3fn[16,32], b: f8e5m2[32,8], c: bf16[32,8], w: bf16[4,16,32], s: bf16[2,32]) -> f32[16,8] {
   %a = f8e4m3fn[16,32]{1,0} parameter(0)
   %b = f8e5m2[32,8]{1,0} parameter(1)
   %c = bf16[32,8]{1,0} parameter(2)
   %w = bf16[4,16,32]{2,1,0} parameter(3)
+  %s = bf16[2,32]{1,0} parameter(4)
+  %loop_dot_fusion = f32[2,8]{1,0} fusion(%s, %c), kind=kLoop, calls=%fused_small_dot
   %one = f32[] constant(1)
   %i = s32[] constant(0)
   %gemm_fusion.1 = f32[16,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_computation.gemm, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
@@ -91,8 +99,9 @@ def test_the_gemms_of_an_optimised_module():
         ("cuBLASLt", "bf16", "bf16", "f32"): 1,  # Inside the custom fusion.
     }
     assert [g.scale_operands for g in program.gemms] == [0, 0, 2, 0]
-    assert program.fusions == 6  # In the entry only: the fused computations' own are not kernels.
+    assert program.fusions == 7  # In the entry only: the fused computations' own are not kernels.
     assert program.gemm_result_readers == 4  # Each GEMM read once, through its tuple view.
+    assert program.other_dots == 1  # The product in an elementwise kernel, not a GEMM.
 
 
 def test_an_unknown_target_or_variant_is_a_usage_error(capsys):
@@ -112,7 +121,7 @@ def test_the_shipped_targets_are_an_h100_and_an_h200():
 
 def _plugin_version() -> str | None:
     found = sorted(PLUGIN.glob("jax_cuda12_plugin-*.dist-info"))
-    return found[0].name.split("-")[1].removesuffix(".dist-info") if found else None
+    return found[0].name.removesuffix(".dist-info").split("-")[1] if found else None
 
 
 @pytest.mark.slow
@@ -137,7 +146,8 @@ def test_compile_only_prints_the_table_with_its_verdicts(tmp_path):
     assert "NVIDIA H200 (h200_sxm.txtpb), GEMM back end: default" in lines
     (row,) = [line for line in lines if line.startswith(variant)]
     assert "f8e4m3fn x f8e4m3fn -> f32" in row
-    assert "  n/a: every GEMM of mixed_float8 on FP8 operands, as many as m=bf16's" in lines
+    assert "  holds: every product of mixed_float8 an FP8 GEMM (no upcast before one)" in lines
+    assert "  n/a: rowwise FP8 scales in the epilogue or a fused pass" in " ".join(lines)
     figures = json.loads((tmp_path / gpu_compile.JSON_NAME).read_text())
     (result,) = figures["targets"]["h200_sxm"]["default"]["variants"].values()
     assert result["temp_bytes"] > 0 and result["argument_bytes"] > 0

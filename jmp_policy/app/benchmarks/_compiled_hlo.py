@@ -52,7 +52,7 @@ class Instruction:
 class Gemm:
     """One GEMM kernel: its back end and the element types it multiplies into."""
 
-    kind: str  # "Triton", "cuBLASLt", "cuBLASLt FP8", "cuBLAS", "cuDNN", or "unfused dot".
+    kind: str  # "Triton", "cuBLASLt", "cuBLASLt FP8", "cuBLAS" or "cuDNN".
     lhs: str
     rhs: str
     out: str
@@ -69,11 +69,14 @@ class Program:
       gemm_result_readers: how many instructions read a GEMM's result,
         summed over the GEMMs: each is a pass over that result, unless it
         is a GEMM epilogue.
+      other_dots: `dot`s that are no GEMM's (fused into an elementwise
+        kernel or left alone): products that miss the Tensor Cores' GEMMs.
     """
 
     gemms: tuple[Gemm, ...]
     fusions: int
     gemm_result_readers: int
+    other_dots: int
 
     def gemm_table(self) -> collections.Counter[tuple[str, str, str, str]]:
         """`{(kind, lhs, rhs, out): count}`."""
@@ -170,9 +173,6 @@ def _gemm(
         dot = _dot_in(called[1], comps) if called else None
         lhs, rhs, out = dot or ("?", "?", i.element_type)
         return Gemm(kind, lhs, rhs, out, 0)
-    if i.opcode == "dot":
-        lhs, rhs = (types.get(o, "?") for o in i.operands[:2])
-        return Gemm("unfused dot", lhs, rhs, i.element_type, 0)
     return None
 
 
@@ -188,6 +188,7 @@ def read(text: str) -> Program:
     }
     gemms: list[Gemm] = []
     fusions = readers = 0
+    in_gemms: set[str] = set()  # The computations GEMM fusions run.
     for name, body in comps.items():
         if name in fused:
             continue
@@ -203,7 +204,23 @@ def read(text: str) -> Program:
                 continue
             gemms.append(gemm)
             readers += _readers(i.name, by_operand)
-    return Program(tuple(gemms), fusions, readers)
+            if i.opcode == "fusion":
+                in_gemms |= _reachable(_CALLS.findall(i.attributes), comps)
+    other_dots = sum(
+        i.opcode == "dot" for name, body in comps.items() if name not in in_gemms for i in body
+    )
+    return Program(tuple(gemms), fusions, readers, other_dots)
+
+
+def _reachable(names: list[str], comps: dict[str, list[Instruction]]) -> set[str]:
+    """`names` and every computation they call."""
+    seen: set[str] = set()
+    while names:
+        name = names.pop()
+        if name not in seen:
+            seen.add(name)
+            names.extend(c for i in comps.get(name, []) for c in _CALLS.findall(i.attributes))
+    return seen
 
 
 def _readers(name: str, by_operand: dict[str, list[Instruction]]) -> int:
