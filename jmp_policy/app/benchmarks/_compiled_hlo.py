@@ -83,26 +83,26 @@ class Program:
         return collections.Counter((g.kind, g.lhs, g.rhs, g.out) for g in self.gemms)
 
 
+def _closing(text: str, depth: int = 0) -> int:
+    """The index in `text` where the parentheses opened before and in it close."""
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return i
+    return len(text)
+
+
 def _split_instruction(name: str, rest: str) -> Instruction | None:
     """`type opcode(operands), attributes` -> an `Instruction`."""
     if rest.startswith("("):  # A tuple type: up to its closing parenthesis.
-        depth = 0
-        for end, ch in enumerate(rest):
-            depth += {"(": 1, ")": -1}.get(ch, 0)
-            if depth == 0:
-                break
+        end = _closing(rest)
         type_, rest = rest[: end + 1], rest[end + 2 :]
     else:
         type_, _, rest = rest.partition(" ")
     opcode, paren, rest = rest.partition("(")
     if not paren:
         return None
-    depth, end = 1, len(rest)
-    for i, ch in enumerate(rest):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            end = i
-            break
+    end = _closing(rest, depth=1)
     operands = tuple(re.findall(r"%([\w.\-]+)", rest[:end]))
     return Instruction(name, type_, opcode.strip(), operands, rest[end + 1 :])
 
