@@ -199,7 +199,10 @@ def _build_parser() -> _Parser:
     )
     p.add_argument("--quick", action="store_true", help="a run of seconds per benchmark")
     p.add_argument(
-        "--only", action="append", metavar="NAME", help="run only this benchmark (repeatable)"
+        "--only",
+        action="append",
+        metavar="NAME",
+        help="run only this benchmark (repeatable; gpu-compile and gpu_compile alike)",
     )
     return parser
 
@@ -268,12 +271,13 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     _check_installed(_BENCH_EXTRA, "bench", "bench")
     names = bench.benchmark_names()
-    unknown = sorted(set(args.only or ()) - set(names))
+    only = [n.replace("-", "_") for n in args.only or ()]  # gpu-compile names gpu_compile
+    unknown = sorted(set(only) - set(names))
     if unknown:
         raise _UsageError(
             f"{PROG} bench: error: unknown benchmark {unknown[0]!r}; there are: {', '.join(names)}"
         )
-    return bench.run(args.only or names, quick=args.quick)
+    return bench.run(only or names, quick=args.quick)
 
 
 _COMMANDS = {"demo": _run_demo, "doctor": _run_doctor, "bench": _run_bench}
