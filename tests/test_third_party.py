@@ -324,6 +324,27 @@ def test_flax_decode_cache_from_the_policy_init_decodes_and_plain_init_says_why_
     )
 
 
+class ChecksItsLabels(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        self.variable("cache", "count", jnp.zeros, (), jnp.float32)
+        if tokens.dtype != jnp.int32:
+            raise ValueError("labels must have dtype int32")
+        return nn.Dense(4)(tokens.astype(jnp.float32))
+
+
+def test_a_users_own_error_mentioning_dtype_reaches_the_user_unchanged():
+    # A float32 collection under a bf16 policy, and an error of the model's own
+    # that speaks of dtypes: it is not taken for a decode-cache mismatch.
+    model = ChecksItsLabels()
+    variables = model.init(jax.random.key(0), jnp.ones((2, 3), jnp.int32))
+    apply = jmp.with_policy(model.apply, "mixed_bfloat16")
+    with pytest.raises(ValueError) as info:
+        apply(variables, jnp.ones((2, 3), jnp.int16), mutable=["cache"])
+    assert type(info.value) is ValueError and info.value.__cause__ is None
+    assert str(info.value) == "labels must have dtype int32"
+
+
 # --------------------------------------------------------------------------
 # Flax layers with no dot_general hook: OptimizedLSTMCell, Einsum, Embed.attend.
 

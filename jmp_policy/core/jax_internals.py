@@ -185,6 +185,16 @@ def is_loop_carry_type_change(error: TypeError) -> bool:
     return "carry input and carry output must have equal types" in str(error)
 
 
+def is_dtype_mismatch(error: Exception) -> bool:
+    """Whether `error` is JAX refusing operands of two dtypes (`lax`, or `jnp` under
+    strict promotion); not an error of the user's code that mentions dtypes."""
+    if type(error).__name__ == "TypePromotionError" and type(error).__module__.startswith("jax"):
+        return True
+    return isinstance(error, TypeError) and "requires arguments to have the same dtypes" in str(
+        error
+    )
+
+
 def primitive_names() -> frozenset[str]:
     """The names of the primitives `jax.extend` exposes (for validating user lists)."""
     return frozenset(p.name for p in vars(primitives).values() if isinstance(p, Primitive))
@@ -457,6 +467,22 @@ def _check_carry_error() -> None:
         _expect(is_loop_carry_type_change(e), f"the text of {e!r}")
     else:
         raise JaxChanged("a TypeError for a scan body changing its carry's dtype")
+
+
+@_probe("the dtype-mismatch errors")
+def _check_dtype_mismatch_errors() -> None:
+    buffer, update = np.zeros((2, 2), np.float32), np.ones((1, 2), jnp.bfloat16)
+    for run in (
+        lambda: lax.dynamic_update_slice(buffer, update, (0, 0)),
+        lambda: jnp.add(buffer, jnp.asarray(update)),  # Under strict promotion.
+    ):
+        try:
+            with jax.numpy_dtype_promotion("strict"):
+                run()
+        except Exception as e:
+            _expect(is_dtype_mismatch(e), f"the text or type of {e!r}")
+        else:
+            raise JaxChanged("an error for operands of float32 and bfloat16")
 
 
 @_probe("eval_jaxpr: name stacks, contexts, literals, bind parameters")

@@ -570,8 +570,8 @@ def _explain_state_dtypes(error: Exception, variables: Any, policy: Policy) -> N
     policy the model writes half keys and values into it, and Flax's
     `dynamic_update_slice` fails with a message naming neither.
     """
-    if "dtype" not in str(error) or not isinstance(variables, Mapping):
-        return
+    if not jax_internals.is_dtype_mismatch(error) or not isinstance(variables, Mapping):
+        return  # The user's own error, or another of JAX's: it reaches the user unchanged.
     c = policy.compute_dtype
     mismatched = {}
     for name, tree in variables.items():
