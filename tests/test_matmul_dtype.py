@@ -38,7 +38,7 @@ import jmp_policy.nnx as jnnx
 from jmp_policy.app.benchmarks.transformer import make_train_step
 from jmp_policy.core.fp8 import E4M3_MAX, E5M2_MAX, fp8_scale
 
-from helpers import load_script
+from helpers import load_script, lowered_ops
 
 ROOT = Path(__file__).resolve().parent.parent
 F32 = np.dtype(np.float32)
@@ -547,3 +547,60 @@ def test_with_matmul_dtype():
     assert policy.with_matmul_dtype(None) == jmp.get_policy("mixed_bfloat16")
     with pytest.raises(TypeError, match="matmul_dtype"):
         policy.with_matmul_dtype(jnp.float32)
+
+
+# ------------------------------------------------- the author's explicit precision
+
+
+class PreciseAngles(nn.Module):
+    """RoPE-like angles at `precision=HIGHEST` (an einsum in model code and a
+    Dense asking for it), beside an ordinary Dense."""
+
+    @nn.compact
+    def __call__(self, pos, x):
+        freqs = jnp.linspace(0.0, 1.0, 16, dtype=jnp.float32)
+        angles = jnp.einsum("p,f->pf", pos, freqs, precision=lax.Precision.HIGHEST)
+        exact = nn.Dense(16, precision=lax.Precision.HIGHEST, name="exact")(jnp.sin(angles))
+        return exact + nn.Dense(16, name="plain")(x)
+
+
+# with_policy under a bf16 compute dtype gives the exact Dense dtype=bf16, as
+# the hand-written config would: its inputs are bf16 before its product.
+@pytest.mark.parametrize(
+    ("front_end", "policy"),
+    [("with_policy", "p=f32,c=f32,o=f32,m=bf16"), ("with_policy", "p=f32,c=f32,o=f32,m=f8")]
+    + [("autocast", p) for p in ("mixed_bfloat16", "p=f32,c=f32,o=f32,m=bf16", "mixed_float8")],
+)
+def test_a_product_the_author_asks_at_highest_stays_float32(front_end, policy):
+    model = PreciseAngles()
+    pos, x = jnp.arange(257, dtype=jnp.float32), jnp.ones((257, 8), jnp.float32)
+    params = model.init(jax.random.key(0), pos, x)
+    wrap = jmp.with_policy if front_end == "with_policy" else jmp.autocast
+    dots = [op for op in lowered_ops(wrap(model.apply, policy), params, pos, x)
+            if op.name == "dot_general"]  # fmt: skip
+    # The einsum and the exact Dense as written, at HIGHEST; the plain Dense in the policy's.
+    kept = [op for op in dots if "HIGHEST" in op.line]
+    assert len(kept) == 2 and all(op.operand_types == ("f32", "f32") for op in kept), dots
+    assert len(dots) == 3 and [op for op in dots if op not in kept][0].operand_types != (
+        "f32",
+        "f32",
+    )
+
+
+@pytest.mark.parametrize(
+    "policy",
+    ["mixed_bfloat16", "p=f32,c=f32,o=f32,m=bf16", "p=f32,c=f32,o=f32,m=f8", "mixed_float8"],
+)
+def test_angles_at_highest_keep_float32_accuracy(policy):
+    # sin(256 f) needs the angle to float32 accuracy: in bf16 or FP8 it is off by ~1.
+    def angles(pos, freqs):
+        return jnp.sin(jnp.einsum("p,f->pf", pos, freqs, precision=lax.Precision.HIGHEST))
+
+    pos, freqs = jnp.arange(257, dtype=jnp.float32), jnp.linspace(0.0, 1.0, 64)
+    want = angles(pos, freqs)
+    fns = [jmp.autocast(angles, policy)]
+    if jmp.get_policy(policy).compute_dtype == jnp.float32:
+        # (with_policy casts a plain function's inputs to the compute dtype.)
+        fns.append(jmp.with_policy(angles, policy))
+    for fn in fns:
+        assert float(jnp.max(jnp.abs(jax.jit(fn)(pos, freqs) - want))) == 0.0

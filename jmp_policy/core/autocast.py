@@ -5,7 +5,8 @@ equation, choosing each operation's precision the way `torch.autocast` does:
 
 * `HALF_PRIMITIVES` (matmuls and convolutions) take `policy.compute_dtype`
   operands and accumulate in float32 (`preferred_element_type=float32`), in the
-  forward *and* the backward pass (see `half_dot_general`). Their result keeps
+  forward *and* the backward pass (see `half_dot_general`), unless the author
+  asked for `precision=HIGHEST` (`asks_full_precision`): those run as written. Their result keeps
   the dtype the traced program gave it, so a float32 program stays float32
   between matmuls. Where the policy has a `matmul_dtype`, every `dot_general`
   takes that instead: half operands (`half_dot_general`) or FP8
@@ -58,6 +59,7 @@ from jmp_policy.core.matmul import F32 as _F32
 from jmp_policy.core.matmul import (
     accumulating_dot,
     accumulating_product,
+    asks_full_precision,
     cast,
     clear_shared_products,
     is_float,
@@ -378,7 +380,8 @@ def _apply(eqn, invals, rules):
     if not floats or not (name in rules.half or name in rules.float32 or name in rules.promote):
         return ji.bind(eqn, _as_original(eqn, invals))  # Unknown: run as written.
     if name in rules.half:
-        if len(invals) == 2 and len(floats) == 2 and is_float(eqn.outvars[0].aval):
+        full = asks_full_precision(ji.product_precision(eqn))  # The author's choice wins.
+        if len(invals) == 2 and len(floats) == 2 and is_float(eqn.outvars[0].aval) and not full:
             return _product_rule(eqn, invals, rules)
         return ji.bind(eqn, _as_original(eqn, invals))
     strong = [invals[i].dtype for i in floats if not eqn.invars[i].aval.weak_type]

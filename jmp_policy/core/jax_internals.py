@@ -129,6 +129,11 @@ def dot_params(eqn: JaxprEqn) -> DotParams:
     )
 
 
+def product_precision(eqn: JaxprEqn) -> Any:
+    """The `precision` a `dot_general` or `conv_general_dilated` equation was asked for."""
+    return param(eqn, "precision")
+
+
 def conv_dimension_numbers(eqn: JaxprEqn) -> Any:
     """The `(lhs_spec, rhs_spec, out_spec)` of a `conv_general_dilated` equation."""
     return param(eqn, "dimension_numbers")
@@ -373,6 +378,7 @@ def _check_conv_params() -> None:
         _eqns(lambda a: lax.conv_general_dilated(a, a, (1,), "SAME"), x), conv_general_dilated_p
     )
     _expect(len(conv_dimension_numbers(eqn)) == 3, "conv's (lhs, rhs, out) dimension numbers")
+    product_precision(eqn)
     bind(eqn, [x, x], conv_with_result_type(eqn, np.dtype(np.float32)))
 
 
