@@ -403,3 +403,28 @@ def test_jit_over_8_devices_gives_the_single_device_step(policy):
         kernels = [s[0]["params"][layer]["kernel"] for s in (out, single)]
         np.testing.assert_allclose(*kernels, rtol=1e-6, atol=1e-8)
     assert int(out[1].total_notfinite) == 0
+
+
+# ------------------------------------------------------------ empty operands
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "rowwise"])
+@pytest.mark.parametrize(("x_shape", "w_shape"), [((0, 6), (6, 4)), ((3, 0), (0, 4))])
+def test_zero_size_operands_give_what_float32_gives(scaling, x_shape, w_shape):
+    # An empty batch (Hugging Face's init on tiny inputs, a short sequence's
+    # blocks) or an empty contraction: no amax to take; the scale is 1.
+    x, w = jnp.ones(x_shape), jnp.ones(w_shape)
+
+    def f(x, w):
+        return jmp.fp8_dot_general(x, w, DIMS, scaling=scaling)
+
+    y, (gx, gw) = jax.jit(jax.value_and_grad(lambda x, w: f(x, w).sum(), argnums=(0, 1)))(x, w)
+    assert y.shape == () and float(y) == 0.0
+    assert gx.shape == x_shape and gw.shape == w_shape
+    assert not np.any(np.asarray(gx)) and not np.any(np.asarray(gw))
+    np.testing.assert_array_equal(jax.jit(f)(x, w), x @ w)
+    model = nn.Dense(4)
+    params = model.init(jax.random.key(0), jnp.ones((1, x_shape[1])))
+    policy = "mixed_float8" if scaling == "tensor" else ROWWISE
+    out = jmp.with_policy(model.apply, policy)(params, x)
+    assert out.shape == (x_shape[0], 4) and out.dtype == jnp.float32

@@ -87,7 +87,7 @@ def fp8_scale(x: jax.Array, fp8_max: float, axes: Sequence[int] | None = None) -
 
     The smallest power of two `s >= amax(|x|) / fp8_max`, so `x / s` fits the
     format and dividing by it is exact (the only error is the FP8 rounding).
-    1 where the values it covers are all zeros. A non-finite amax is kept as
+    1 where the values it covers are all zeros, or none (a zero-size `x`). A non-finite amax is kept as
     the scale (never clipped): the product is multiplied by it, so an inf or
     NaN in `x` makes the result non-finite and `loss_scaled` skips the step.
     A constant for differentiation.
@@ -102,8 +102,9 @@ def fp8_scale(x: jax.Array, fp8_max: float, axes: Sequence[int] | None = None) -
       The float32 scale: a scalar, or `x`'s shape with `axes` of size 1.
     """
     x = lax.stop_gradient(x)
+    # `initial=0`: the identity of a max of magnitudes, so an empty `x` has scale 1.
     v = jnp.max(jnp.abs(x.astype(F32)), axis=None if axes is None else tuple(axes),
-                keepdims=axes is not None) / np.float32(fp8_max)  # fmt: skip
+                keepdims=axes is not None, initial=0.0) / np.float32(fp8_max)  # fmt: skip
     # Round the exponent up unless v is already a power of two (mantissa 0).
     bits = lax.bitcast_convert_type(v, np.int32)
     pow2 = lax.bitcast_convert_type((bits + 0x7FFFFF) & 0x7F800000, F32)
