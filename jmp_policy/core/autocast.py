@@ -6,8 +6,8 @@ equation, choosing each operation's precision the way `torch.autocast` does:
 * `HALF_PRIMITIVES` (matmuls and convolutions) take `policy.compute_dtype`
   operands and accumulate in float32 (`preferred_element_type=float32`), in the
   forward *and* the backward pass (see `half_dot_general`), unless the author
-  asked for `precision=HIGHEST` (`asks_full_precision`): those run as written. Their result keeps
-  the dtype the traced program gave it, so a float32 program stays float32
+  asked for `precision=HIGHEST` (`asks_full_precision`): those run as written.
+  Their result keeps the dtype the traced program gave it, so a float32 program stays float32
   between matmuls. Where the policy has a `matmul_dtype`, every `dot_general`
   takes that instead: half operands (`half_dot_general`) or FP8
   (`fp8_dot_general`); convolutions stay in the compute dtype.

@@ -87,9 +87,10 @@ def fp8_scale(x: jax.Array, fp8_max: float, axes: Sequence[int] | None = None) -
 
     The smallest power of two `s >= amax(|x|) / fp8_max`, so `x / s` fits the
     format and dividing by it is exact (the only error is the FP8 rounding).
-    1 where the values it covers are all zeros, or none (a zero-size `x`). A non-finite amax is kept as
-    the scale (never clipped): the product is multiplied by it, so an inf or
-    NaN in `x` makes the result non-finite and `loss_scaled` skips the step.
+    1 where the values it covers are all zeros, or none (a zero-size `x`). A
+    non-finite amax is kept as the scale (never clipped): the product is
+    multiplied by it, so an inf or NaN in `x` makes the result non-finite and
+    `loss_scaled` skips the step.
     A constant for differentiation.
 
     Args:
