@@ -5,11 +5,11 @@
 releases, and the equation attributes used here (`eqn.params` keys such as
 `"jaxpr"`, `"dimension_numbers"`, `"new_dtype"`, `eqn.ctx`,
 `Primitive.get_bind_params`) are not documented API; nor are `jnp.einsum`'s
-`_dot_general=` or the texts of two JAX errors. Everything of that kind is in
+`_dot_general=` or the texts of three JAX errors. Everything of that kind is in
 this module, so that a JAX upgrade breaks here first and is fixed here once.
-Each internal has a probe in `PROBES` (run by the test suite) that fails with
-`JaxChanged`, naming the installed JAX, when JAX changes it; a read that finds
-an internal gone raises `JaxChanged` too, never a wrong result. Checked
+Each internal has a probe in `jax_probes` (run by the test suite) that fails
+with `JaxChanged`, naming the installed JAX, when JAX changes it; a read that
+finds an internal gone raises `JaxChanged` too, never a wrong result. Checked
 against jax and jaxlib 0.10.2 and 0.12.0.1.
 """
 
@@ -25,7 +25,6 @@ import jax
 import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 CHECKED_AGAINST = "jax 0.10.2 and 0.12.0.1"
 
@@ -39,24 +38,6 @@ class JaxChanged(RuntimeError):
             f"{CHECKED_AGAINST} do. Use a JAX release this jmp_policy supports (its "
             "pyproject.toml says which), or report this message."
         )
-
-
-# Probes: one per internal, each raising `JaxChanged` if the installed JAX
-# changed it (tests/test_jax_internals.py runs them all).
-PROBES: dict[str, Callable[[], None]] = {}
-
-
-def _probe(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    def register(check: Callable[[], None]) -> Callable[[], None]:
-        PROBES[name] = check
-        return check
-
-    return register
-
-
-def _expect(condition: bool, what: str) -> None:
-    if not condition:
-        raise JaxChanged(what)
 
 
 Jaxpr = jex.core.Jaxpr
@@ -339,165 +320,3 @@ def eval_jaxpr(
             if not isinstance(v, jex.core.DropVar):
                 env[v] = out
     return [_read(env, v) for v in jaxpr.outvars]
-
-
-# ------------------------------------------------------------------ probes
-
-
-def _eqns(fn: Callable, *args: Any) -> list[JaxprEqn]:
-    return list(jax.make_jaxpr(fn)(*args).jaxpr.eqns)
-
-
-def _only(eqns: list[JaxprEqn], primitive: Primitive | str) -> JaxprEqn:
-    found = [e for e in eqns if primitive in (e.primitive, e.primitive.name)]
-    name = primitive if isinstance(primitive, str) else primitive.name
-    _expect(len(found) == 1, f"one {name} equation where {CHECKED_AGAINST} trace one")
-    return found[0]
-
-
-_X = np.ones((2, 2), np.float32)
-
-
-@_probe("dot_general parameters")
-def _check_dot_params() -> None:
-    dims = (((1,), (0,)), ((), ()))
-    eqn = _only(_eqns(lambda a: lax.dot_general(a, a, dims, None, jnp.float32), _X), dot_general_p)
-    p = dot_params(eqn)
-    try:
-        as_tuples = tuple(tuple(map(tuple, d)) for d in p.dimension_numbers)
-    except TypeError:
-        as_tuples = None
-    _expect(as_tuples == dims, "dot_general's dimension_numbers as ((lc, rc), (lb, rb))")
-    _expect(np.dtype(p.preferred_element_type) == np.float32, "dot_general's result type")
-
-
-@_probe("conv_general_dilated parameters")
-def _check_conv_params() -> None:
-    x = np.ones((1, 1, 4), np.float32)
-    eqn = _only(
-        _eqns(lambda a: lax.conv_general_dilated(a, a, (1,), "SAME"), x), conv_general_dilated_p
-    )
-    _expect(len(conv_dimension_numbers(eqn)) == 3, "conv's (lhs, rhs, out) dimension numbers")
-    product_precision(eqn)
-    bind(eqn, [x, x], conv_with_result_type(eqn, np.dtype(np.float32)))
-
-
-@_probe("convert_element_type parameters")
-def _check_new_dtype() -> None:
-    eqn = _only(_eqns(lambda a: a.astype(jnp.bfloat16), _X), convert_element_type_p)
-    _expect(new_dtype(eqn) == jnp.bfloat16, "convert_element_type's new_dtype")
-
-
-@_probe("nested programs: jit and closed_call")
-def _check_call_program() -> None:
-    eqn = _only(_eqns(lambda a: jax.jit(jnp.sin)(a), _X), "jit")
-    _expect(eqn.primitive in CALL_JAXPR_PARAM, "jax.jit as the jit_p primitive")
-    _, program = call_program(eqn)
-    _expect(isinstance(program, ClosedJaxpr), "a jit equation's program as a ClosedJaxpr")
-
-
-@_probe("nested programs: scan, while_loop, cond")
-def _check_control_flow() -> None:
-    def f(a):
-        a = lax.scan(lambda c, _: (c * 2, None), a, length=2)[0]
-        a = lax.while_loop(lambda c: c[0, 0] < 4, lambda c: c * 2, a)
-        return lax.cond(a[0, 0] > 0, jnp.sin, jnp.cos, a)
-
-    eqns = _eqns(f, _X)
-    for primitive in CONTROL_FLOW_JAXPR_PARAMS:
-        programs = control_flow_programs(_only(eqns, primitive))
-        for value in programs.values():
-            for v in value if isinstance(value, tuple) else (value,):
-                _expect(isinstance(v, ClosedJaxpr), f"{primitive.name}'s programs")
-
-
-@_probe("jax.checkpoint")
-def _check_remat() -> None:
-    eqn = _only(_eqns(jax.checkpoint(jnp.sin), _X), remat_p)
-    _expect(isinstance(remat_body(eqn), Jaxpr), "a remat equation's program as a Jaxpr")
-    jax.checkpoint(jnp.sin, **remat_options(eqn))(_X)
-
-
-@_probe("custom_jvp")
-def _check_custom_jvp() -> None:
-    eqn = _only(_eqns(jax.nn.relu, _X), custom_jvp_call_p)
-    _expect(isinstance(custom_jvp_primal(eqn), ClosedJaxpr), "a custom_jvp's primal program")
-
-
-@_probe("shard_map")
-def _check_shard_map() -> None:
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
-    spec = jax.sharding.PartitionSpec("d")
-    f = jax.shard_map(jnp.sin, mesh=mesh, in_specs=spec, out_specs=spec)
-    eqn = _only(_eqns(f, _X), SHARD_MAP_NAME)
-    _expect(isinstance(shard_map_body(eqn), Jaxpr), "a shard_map's per-device program")
-    # The specs are stored flat: the body takes and returns the flat values.
-    jax.shard_map(lambda *a: tuple(map(jnp.sin, a)), **shard_map_options(eqn))(_X)
-
-
-@_probe("inlined jit")
-def _check_inlined_jit() -> None:
-    eqns = _eqns(lambda a: inlined_jit(jnp.sin)(a), _X)
-    _expect([e.primitive.name for e in eqns] == ["sin"], "jax.jit inlined into the caller")
-
-
-@_probe("jnp.einsum's _dot_general")
-def _check_einsum() -> None:
-    calls = []
-
-    def dot_general(*args, **kwargs):
-        calls.append(1)
-        return lax.dot_general(*args, **kwargs)
-
-    einsum_with_dot_general(dot_general)("ij,jk->ik", _X, _X)
-    _expect(bool(calls), "jnp.einsum's _dot_general= argument, called for its products")
-
-
-@_probe("the forward-mode error of a custom_vjp")
-def _check_forward_mode_error() -> None:
-    f = jax.custom_vjp(jnp.sin)
-    f.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
-    try:
-        jax.jvp(f, (_X,), (_X,))
-    except TypeError as e:
-        _expect(is_forward_mode_of_custom_vjp(e), f"the text of {e!r}")
-    else:
-        raise JaxChanged("a TypeError for jax.jvp of a custom_vjp")
-
-
-@_probe("the loop-carry type error")
-def _check_carry_error() -> None:
-    try:
-        lax.scan(lambda c, _: (c.astype(jnp.bfloat16), None), _X, length=1)
-    except TypeError as e:
-        _expect(is_loop_carry_type_change(e), f"the text of {e!r}")
-    else:
-        raise JaxChanged("a TypeError for a scan body changing its carry's dtype")
-
-
-@_probe("the dtype-mismatch errors")
-def _check_dtype_mismatch_errors() -> None:
-    buffer, update = np.zeros((2, 2), np.float32), np.ones((1, 2), jnp.bfloat16)
-    for run in (
-        lambda: lax.dynamic_update_slice(buffer, update, (0, 0)),
-        lambda: jnp.add(buffer, jnp.asarray(update)),  # Under strict promotion.
-    ):
-        try:
-            with jax.numpy_dtype_promotion("strict"):
-                run()
-        except Exception as e:
-            _expect(is_dtype_mismatch(e), f"the text or type of {e!r}")
-        else:
-            raise JaxChanged("an error for operands of float32 and bfloat16")
-
-
-@_probe("eval_jaxpr: name stacks, contexts, literals, bind parameters")
-def _check_eval_jaxpr() -> None:
-    @jax.named_scope("probe")
-    def f(a):
-        return jnp.sin(a) * 2.0, jnp.argmax(a)
-
-    closed = jax.make_jaxpr(f)(_X)
-    _expect(all(name_stack(e) == "probe" for e in closed.jaxpr.eqns), "equation name stacks")
-    got = eval_jaxpr(closed.jaxpr, closed.consts, [_X], bind)
-    _expect(all(np.array_equal(a, b) for a, b in zip(got, f(_X))), "eval_jaxpr's results")
