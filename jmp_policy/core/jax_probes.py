@@ -146,42 +146,48 @@ def _check_einsum() -> None:
     _expect(bool(calls), "jnp.einsum's _dot_general= argument, called for its products")
 
 
+def _expect_error(
+    run: Callable[[], Any], recognised: Callable[[Exception], bool], what: str
+) -> None:
+    """`run()` must raise an error that `recognised` tells for JAX's own."""
+    try:
+        run()
+    except Exception as e:
+        _expect(recognised(e), f"the text or type of {e!r}")
+    else:
+        raise JaxChanged(f"an error for {what}")
+
+
 @_probe("the forward-mode error of a custom_vjp")
 def _check_forward_mode_error() -> None:
     f = jax.custom_vjp(jnp.sin)
     f.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
-    try:
-        jax.jvp(f, (_X,), (_X,))
-    except TypeError as e:
-        _expect(ji.is_forward_mode_of_custom_vjp(e), f"the text of {e!r}")
-    else:
-        raise JaxChanged("a TypeError for jax.jvp of a custom_vjp")
+    _expect_error(
+        lambda: jax.jvp(f, (_X,), (_X,)),
+        lambda e: isinstance(e, TypeError) and ji.is_forward_mode_of_custom_vjp(e),
+        "jax.jvp of a custom_vjp",
+    )
 
 
 @_probe("the loop-carry type error")
 def _check_carry_error() -> None:
-    try:
-        lax.scan(lambda c, _: (c.astype(jnp.bfloat16), None), _X, length=1)
-    except TypeError as e:
-        _expect(ji.is_loop_carry_type_change(e), f"the text of {e!r}")
-    else:
-        raise JaxChanged("a TypeError for a scan body changing its carry's dtype")
+    _expect_error(
+        lambda: lax.scan(lambda c, _: (c.astype(jnp.bfloat16), None), _X, length=1),
+        lambda e: isinstance(e, TypeError) and ji.is_loop_carry_type_change(e),
+        "a scan body changing its carry's dtype",
+    )
 
 
 @_probe("the dtype-mismatch errors")
 def _check_dtype_mismatch_errors() -> None:
     buffer, update = np.zeros((2, 2), np.float32), np.ones((1, 2), jnp.bfloat16)
-    for run in (
-        lambda: lax.dynamic_update_slice(buffer, update, (0, 0)),
-        lambda: jnp.add(buffer, jnp.asarray(update)),  # Under strict promotion.
-    ):
-        try:
-            with jax.numpy_dtype_promotion("strict"):
-                run()
-        except Exception as e:
-            _expect(ji.is_dtype_mismatch(e), f"the text or type of {e!r}")
-        else:
-            raise JaxChanged("an error for operands of float32 and bfloat16")
+
+    def strict_add():
+        with jax.numpy_dtype_promotion("strict"):
+            return jnp.add(buffer, jnp.asarray(update))
+
+    for run in (lambda: lax.dynamic_update_slice(buffer, update, (0, 0)), strict_add):
+        _expect_error(run, ji.is_dtype_mismatch, "operands of float32 and bfloat16")
 
 
 @_probe("eval_jaxpr: name stacks, contexts, literals, bind parameters")
