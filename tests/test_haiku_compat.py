@@ -60,3 +60,27 @@ def _standard_promotion():
     # promotion; the rest of our suite runs under strict promotion.
     with jax.numpy_dtype_promotion("standard"):
         yield
+
+
+def test_a_matmul_dtype_is_refused_by_haiku_and_taken_by_autocast():
+    import haiku as hk
+    import jax
+    import jax.numpy as jnp
+
+    from helpers import lowered_ops
+
+    policy = jmp_policy.get_policy("p=f32,c=bf16,o=f32,m=float8_e4m3fn")
+    net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(4)(x)))
+    x = jnp.ones((2, 3))
+    hk.mixed_precision.set_policy(hk.Linear, policy)
+    try:
+        with pytest.raises(ValueError, match=r"matmul dtype \(m=float8_e4m3fn\) Haiku cannot"):
+            net.init(jax.random.key(0), x)
+        # The way it names: Haiku without the matmul dtype, autocast with it.
+        hk.mixed_precision.set_policy(hk.Linear, policy.with_matmul_dtype(None))
+        params = net.init(jax.random.key(0), x)
+        apply = jmp_policy.autocast(net.apply, policy)
+        dots = [o for o in lowered_ops(apply, params, x) if o.name == "dot_general"]
+        assert [o.operand_types for o in dots] == [("f8E4M3FN", "f8E4M3FN")]
+    finally:
+        hk.mixed_precision.clear_policy(hk.Linear)

@@ -1570,3 +1570,85 @@ def test_custom_param_takes_its_module_param_dtype_whatever_other_rules_say(rule
     assert params["temperature"].dtype == BF16
     assert params["Dense_0"]["kernel"].dtype == BF16
     assert params["head"]["kernel"].dtype == (BF16 if rules is None else F32)
+
+
+def test_a_module_defining_getattr_runs_under_every_policy_and_rule():
+    # Google DeepMind's gemma forwards unknown attributes to its config with
+    # `__getattr__`, which Flax's interceptors wrap like any method.
+    @flax.struct.dataclass
+    class Config:
+        width: int = 4
+
+    class Block(nn.Module):
+        config: Config
+
+        def __getattr__(self, name):
+            return getattr(self.config, name)
+
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(self.width)(x)
+
+    class Net(nn.Module):
+        config: Config
+
+        def __getattr__(self, name):
+            return getattr(self.config, name)
+
+        def setup(self):
+            self.block = Block(self.config)
+
+        def __call__(self, x):
+            return self.block(x).astype(x.dtype) @ jnp.ones((self.width, 2))
+
+    model, x = Net(Config()), jnp.ones((2, 3))
+    variables = with_policy(model.init, "mixed_bfloat16")(jax.random.key(0), x)
+    for policy, rules, want in [
+        ("mixed_bfloat16", None, [("bf16", "bf16"), ("f32", "f32")]),  # `@` as written.
+        ("p=f32,c=bf16,o=f32,m=bf16", None, [("bf16", "bf16")] * 2),
+        ("p=f32,c=bf16,o=f32,m=bf16", {"block": "f32"}, [("f32", "f32"), ("bf16", "bf16")]),
+    ]:
+        apply = with_policy(model.apply, policy, rules=rules)
+        assert apply(variables, x).dtype == F32
+        dots = contractions(jax.jit(apply).lower(variables, x).as_text())
+        assert [d.operand_types for d in dots] == want, (policy, rules)
+
+
+class _Jitted(nn.Module):
+    """gemma's pattern: `__call__` under `nn.jit`, with a jitted layer used twice."""
+
+    @nn.jit
+    @nn.compact
+    def __call__(self, x):
+        x = _JittedLayer(name="layer_0")(x)
+        x = _JittedLayer(name="layer_1")(x)
+        return nn.Dense(2, name="head")(x)
+
+
+class _JittedLayer(nn.Module):
+    @nn.jit
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(x)
+
+
+def test_nn_jit_methods_take_the_policy_and_its_rules_whatever_was_traced_before():
+    model, x = _Jitted(), jnp.ones((2, 4))
+    variables = model.init(jax.random.key(0), x)
+
+    def operands(apply):
+        return [d.operand_types for d in contractions(jax.jit(apply).lower(variables, x).as_text())]
+
+    f32, bf16 = ("f32", "f32"), ("bf16", "bf16")
+    # (Flax's trace of the plain layer serves both layers: one function, two calls.)
+    assert set(operands(model.apply)) == {f32}  # nn.jit has traced the plain model.
+    assert operands(with_policy(model.apply, "mixed_bfloat16")) == [bf16] * 3
+    assert set(operands(model.apply)) == {f32}  # ... and the plain model is still plain.
+    # Path rules reach inside nn.jit, also to one of two layers of one jitted class.
+    rules = {"head": "f32", "layer_1": "mixed_float16"}
+    ruled = with_policy(model.apply, "mixed_bfloat16", rules=rules)
+    assert sorted(operands(ruled)) == [bf16, ("f16", "f16"), f32]
+    out = ruled(variables, x)  # Eagerly, twice: each call sees its modules.
+    np.testing.assert_array_equal(out, ruled(variables, x))
+    with pytest.raises(ValueError, match="'nothere' matches no module"):
+        with_policy(model.apply, "mixed_bfloat16", rules={"nothere": "f32"})(variables, x)

@@ -604,3 +604,35 @@ def test_angles_at_highest_keep_float32_accuracy(policy):
         fns.append(jmp.with_policy(angles, policy))
     for fn in fns:
         assert float(jnp.max(jnp.abs(jax.jit(fn)(pos, freqs) - want))) == 0.0
+
+
+@pytest.mark.parametrize(
+    "policy, want",
+    [
+        ("p=f32,c=bf16,o=f32,m=bf16", ("bf16", "bf16")),
+        ("mixed_float8", ("f8E4M3FN", "f8E4M3FN")),
+    ],
+)
+@jax.numpy_dtype_promotion("standard")  # int x float, as Hugging Face's models run.
+def test_a_product_with_an_integer_operand_takes_the_matmul_dtype(policy, want):
+    # Every BERT-family attention: `einsum("...hqk,h->...hqk", weights, head_mask)`.
+    class Masked(nn.Module):
+        @nn.compact
+        def __call__(self, x, head_mask):
+            weights = nn.Dense(4)(x).reshape(2, 2, 2, 2)
+            return jnp.einsum("bhqk,h->bhqk", weights, head_mask)
+
+    x, mask = jnp.ones((2, 2, 3)), jnp.array([1, 0], jnp.int32)
+    variables = Masked().init(jax.random.key(0), x, mask)
+    apply = jmp.with_policy(Masked().apply, policy)
+    ops = [o for o in lowered_ops(apply, variables, x, mask) if o.name == "dot_general"]
+    assert len(ops) == 2 and all(o.operand_types == want for o in ops)
+    out = apply(variables, x, mask)
+    np.testing.assert_allclose(out, Masked().apply(variables, x, mask), atol=0.1)
+    assert float(jnp.abs(out[:, 1]).max()) == 0.0  # The masked head, exactly.
+    # Under autocast, also without a matmul dtype: the mask joins bf16.
+    ops = lowered_ops(
+        autocast_fn := jmp.autocast(Masked().apply, "mixed_bfloat16"), variables, x, mask
+    )
+    assert [o.operand_types for o in ops if o.name == "dot_general"] == [("bf16", "bf16")] * 2
+    assert autocast_fn(variables, x, mask).dtype == jnp.float32

@@ -125,3 +125,182 @@ def test_linen_mutable_collections_keep_their_dtypes():
     apply = autocast(Net().apply, HALF_OUT)
     y, updates = jax.eval_shape(lambda v, x: apply(v, x, mutable=["batch_stats"]), variables, x)
     assert dtypes(y) == [BF16] and dtypes(updates) == [F32, F32]
+
+
+# One rule for every front end: linen's `with_policy`, `jmp_policy.nnx` and
+# `autocast` split the same result the same way, wherever its parts sit.
+
+import flax.linen as nn  # noqa: E402
+import flax.struct  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jmp_policy.nnx  # noqa: E402
+
+POLICY = "mixed_bfloat16"
+
+
+class _Step(nn.Module):
+    """`(logits, hidden)`, or swapped, with `hidden` shaped like the (bf16) input."""
+
+    order: str = "logits_first"
+
+    @nn.compact
+    def __call__(self, x):
+        hidden = jnp.tanh(nn.Dense(x.shape[-1])(x))
+        logits = nn.Dense(5)(hidden)
+        return (logits, hidden) if self.order == "logits_first" else (hidden, logits)
+
+
+class _NnxStep(nnx.Module):
+    def __init__(self, order):
+        self.order = order
+        self.a, self.b = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 5, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        hidden = jnp.tanh(self.a(x))
+        logits = self.b(hidden)
+        return (logits, hidden) if self.order == "logits_first" else (hidden, logits)
+
+
+def _front_ends(linen_model, nnx_model, *args, **kwargs):
+    """The dtypes of each front end's result, on one model written for linen and NNX."""
+    variables = jax.eval_shape(linen_model.init, jax.random.key(0), *args)
+    return {
+        "linen": dtypes(
+            jax.eval_shape(jmp.with_policy(linen_model.apply, POLICY, **kwargs), variables, *args)
+        ),
+        "autocast": dtypes(
+            jax.eval_shape(autocast(linen_model.apply, POLICY, **kwargs), variables, *args)
+        ),
+        "nnx": dtypes(jmp_policy.nnx.PolicyModule(nnx_model, POLICY, **kwargs)(*args)),
+    }
+
+
+@pytest.mark.parametrize("order", ["logits_first", "hidden_first"])
+def test_every_front_end_gives_results_the_output_dtype_in_any_order(order):
+    x = jnp.ones((2, 4), BF16)  # `hidden` has its shape and dtype: still a result.
+    with jax.numpy_dtype_promotion("standard"):  # The plain model mixes bf16 and f32.
+        got = _front_ends(_Step(order), _NnxStep(order), x)
+    assert got == {k: [F32, F32] for k in got}
+
+
+class _Cached(nn.Module):
+    """Decodes into a dict cache and returns it with a new entry, `pos`."""
+
+    @nn.compact
+    def __call__(self, x, cache):
+        h = nn.Dense(4)(x)
+        k = h.astype(cache["k"].dtype)
+        cache = {
+            "k": jax.lax.dynamic_update_slice(cache["k"], k, (0, 0)),
+            "v": cache["v"] + 1,
+            "pos": jnp.int32(1),
+        }
+        return nn.Dense(3)(h), cache
+
+
+class _NnxCached(nnx.Module):
+    def __init__(self):
+        self.a, self.b = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 3, rngs=nnx.Rngs(1))
+
+    def __call__(self, x, cache):
+        h = self.a(x)
+        k = h.astype(cache["k"].dtype)
+        cache = {
+            "k": jax.lax.dynamic_update_slice(cache["k"], k, (0, 0)),
+            "v": cache["v"] + 1,
+            "pos": jnp.int32(1),
+        }
+        return self.b(h), cache
+
+
+def test_a_cache_returned_with_a_new_entry_keeps_its_dtype_in_every_front_end():
+    cache = {"k": jnp.zeros((2, 4), BF16), "v": jnp.zeros((2, 4), BF16)}
+    got = _front_ends(_Cached(), _NnxCached(), jnp.ones((2, 4), F32), cache)
+    # logits, then the cache's k, pos, v (sorted keys): bf16 as given, pos as made.
+    assert got == {k: [F32, BF16, np.dtype(np.int32), BF16] for k in got}
+
+
+@flax.struct.dataclass
+class Output:
+    logits: jax.Array
+    cache: dict
+
+
+def test_a_cache_inside_a_struct_dataclass_output_keeps_its_dtype():
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x, cache):
+            k = nn.Dense(4)(x)
+            new = {"k": cache["k"] + k.astype(cache["k"].dtype)}
+            return Output(logits=nn.Dense(3)(k), cache=new)
+
+    cache = {"k": jnp.zeros((2, 4), BF16)}
+    x = jnp.ones((2, 4), F32)
+    variables = jax.eval_shape(Model().init, jax.random.key(0), x, cache)
+    for wrap in (jmp.with_policy, autocast):
+        out = jax.eval_shape(wrap(Model().apply, POLICY), variables, x, cache)
+        assert isinstance(out, Output)
+        assert dtypes(out.logits) == [F32] and dtypes(out.cache) == [BF16], wrap
+
+
+def test_logits_shaped_like_integer_ids_are_results():
+    # Hugging Face's question answering heads: (start_logits, end_logits),
+    # each shaped like the int32 input_ids.
+    class QA(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            h = nn.Embed(10, 8)(ids)
+            start, end = jnp.split(nn.Dense(2)(h), 2, axis=-1)
+            return start[..., 0], end[..., 0]
+
+    ids = jnp.zeros((2, 6), jnp.int32)
+    variables = jax.eval_shape(QA().init, jax.random.key(0), ids)
+    out = jax.eval_shape(jmp.with_policy(QA().apply, POLICY), variables, ids)
+    assert dtypes(out) == [F32, F32]
+
+
+class _BareCache(nn.Module):
+    @nn.compact
+    def __call__(self, x, cache):
+        h = nn.Dense(4)(x)
+        return nn.Dense(3)(h), jax.lax.dynamic_update_slice(cache, h.astype(cache.dtype), (0, 0))
+
+
+class _NnxBareCache(nnx.Module):
+    def __init__(self):
+        self.a, self.b = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 3, rngs=nnx.Rngs(1))
+
+    def __call__(self, x, cache):
+        h = self.a(x)
+        return self.b(h), jax.lax.dynamic_update_slice(cache, h.astype(cache.dtype), (0, 0))
+
+
+def test_returns_state_says_a_bare_array_is_state_in_every_front_end():
+    x, cache = jnp.ones((2, 4), F32), jnp.zeros((2, 4), BF16)
+    # By the rule, a bare array is a result; said to be state, it keeps its dtype.
+    assert _front_ends(_BareCache(), _NnxBareCache(), x, cache)["linen"] == [F32, F32]
+    got = _front_ends(_BareCache(), _NnxBareCache(), x, cache, returns_state=(False, True))
+    assert got == {k: [F32, BF16] for k in got}
+    # False says a container is a result.
+    carry = (jnp.zeros(3, F32), jnp.zeros(3, F32))
+    out = autocast(lambda c: (c[0] * 2.0, c), HALF_OUT, returns_state=False)(carry)
+    assert dtypes(out) == [BF16] * 3
+
+
+def test_a_state_said_to_be_state_that_matches_no_argument_comes_back_as_made():
+    out = (jnp.ones(2, F32), {"k": jnp.ones(2, BF16)})
+    y, made = cast_results(
+        out, [], jmp.get_policy("bf16").cast_to_output, returns_state=(False, True)
+    )
+    assert dtypes(y) == [BF16] and dtypes(made) == [BF16]
+    made = cast_results(out, [], jmp.get_policy("f32").cast_to_output, returns_state=(None, True))
+    assert dtypes(made) == [F32, BF16]
+
+
+def test_bad_returns_state():
+    out, to_output = (X, X), jmp.get_policy("bf16").cast_to_output
+    with pytest.raises(ValueError, match=r"returns_state=\(True, False, True\) is not a prefix"):
+        cast_results(out, [X], to_output, returns_state=(True, False, True))
+    with pytest.raises(TypeError, match="returns_state takes True.*got 'yes'"):
+        cast_results(out, [X], to_output, returns_state=(True, "yes"))

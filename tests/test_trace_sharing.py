@@ -238,6 +238,69 @@ def test_nnx_attention_of_every_layer_shares_one_rewrite():
     assert_bitwise_equal(shared_fn(params, x), unshared)
 
 
+@jax.numpy_dtype_promotion("standard")  # jax.nn's attention mixes bf16 and f32.
+def test_an_attention_that_reads_a_variable_is_never_stale():
+    # An attention_fn closing over another module's learned bias: a shared
+    # trace would keep the bias it first saw, eagerly and across two jits.
+    from flax import nnx
+
+    import jmp_policy.nnx  # noqa: F401  (jmp.nnx)
+
+    class Bias(nnx.Module):
+        def __init__(self):
+            self.value = nnx.Param(jnp.zeros(()))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.bias = bias = Bias()
+
+            def attention_fn(q, k, v, **kwargs):
+                return nnx.dot_product_attention(q, k, v, **kwargs) + bias.value[...]
+
+            self.attention = nnx.MultiHeadAttention(
+                2, WIDTH, decode=False, attention_fn=attention_fn, rngs=rngs
+            )
+
+        def __call__(self, x):
+            return self.attention(x)
+
+    x = jax.random.normal(jax.random.key(1), (2, 4, WIDTH))
+    plain = Model(nnx.Rngs(0))
+    model = jmp.nnx.PolicyModule(plain, "p=f32,c=bf16,o=f32,m=bf16")  # A copy of `plain`.
+    autocast.clear_shared_traces()
+    # Two jitted functions, each traced once (NNX bakes a closure's value in).
+    jitted = [nnx.jit(lambda m, x: m(x)), nnx.jit(lambda m, x: m(x) * 1.0)]
+    before = plain(x)
+    for bias, step in zip((0.0, 1.1), jitted):
+        model.module.bias.value[...] = bias  # The copy's: its function reads it, not plain's.
+        outs = [model(x), step(model, x)]
+        plain.bias.value[...] = bias
+        want = plain(x)
+        plain.bias.value[...] = 0.0
+        for out in outs:
+            np.testing.assert_allclose(out, want, atol=0.05)
+    assert float(jnp.max(jnp.abs(want - before))) > 0.5  # The bias moves the output.
+    assert not any(autocast._SHARED_REWRITES.values())  # Nothing of it was shared.
+
+
+def test_only_functions_that_read_nothing_that_changes_share_a_rewrite():
+    w = jnp.ones((WIDTH, WIDTH))
+    scale = 2.0
+
+    def reads_an_array(x):
+        return x @ w
+
+    def reads_a_plain_global(x):
+        return jnp.tanh(x) * WIDTH
+
+    assert not autocast._reads_nothing_that_changes(reads_an_array)
+    assert not autocast._reads_nothing_that_changes(lambda x: x * scale + w)
+    assert autocast._reads_nothing_that_changes(lambda x: x * scale)
+    assert autocast._reads_nothing_that_changes(reads_a_plain_global)
+    assert autocast._reads_nothing_that_changes(jax.nn.dot_product_attention)
+    assert not autocast._reads_nothing_that_changes(np.ones(3).sum)  # A bound method.
+
+
 def test_a_shared_rewrite_keeps_no_function_or_module_alive():
     # A call given something other than arrays and plain values (here an
     # activation function; NNX attention that sows its weights gets the

@@ -17,7 +17,10 @@ equation, choosing each operation's precision the way `torch.autocast` does:
 * `PROMOTE_PRIMITIVES` (elementwise arithmetic, comparisons, reshapes, max
   reductions, ...) run in the widest floating dtype of their inputs.
 * Anything else runs as written: its floating inputs are cast back to the
-  dtypes the traced program had, so it always type-checks.
+  dtypes the traced program had, so it always type-checks. Writes into a
+  buffer (`dynamic_update_slice`, scatters, `.at[].set`) are among them: the
+  buffer and the values written keep the dtype the program gave them, so a
+  decode cache of any dtype stays in it.
 
 Integers, booleans and PRNG keys are never touched, and explicit casts in the
 program are kept (so `jnp.mean` of a bf16 array, which sums in float32 and
@@ -45,6 +48,7 @@ import dataclasses
 import difflib
 import functools
 import re
+import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -67,7 +71,7 @@ from jmp_policy.core.matmul import (
     widest,
 )
 from jmp_policy.core.policy import Policy, get_policy
-from jmp_policy.core.state import cast_results
+from jmp_policy.core.state import ReturnsState, cast_results
 
 # Matmuls and convolutions: half operands, float32 accumulation.
 HALF_PRIMITIVES: frozenset[str] = frozenset({"dot_general", "conv_general_dilated"})
@@ -97,7 +101,7 @@ PROMOTE_PRIMITIVES: frozenset[str] = frozenset(
         "tanh", "atan", "is_finite", "eq", "ne", "lt", "le", "gt", "ge",
         "select_n", "clamp", "stop_gradient", "reduce_precision", "copy",
         "broadcast_in_dim", "reshape", "squeeze", "transpose", "rev", "slice",
-        "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather",
+        "dynamic_slice", "concatenate", "pad", "gather",
         "split", "tile", "reduce_max", "reduce_min", "argmax", "argmin", "cummax",
         "cummin", "reduce_window_max", "reduce_window_min", "sharding_constraint",
     }
@@ -136,6 +140,10 @@ def _as_original(eqn, invals):
         cast(x, v.aval.dtype) if is_float(x) and x.dtype != v.aval.dtype else x
         for x, v in zip(invals, eqn.invars)
     ]
+
+
+def is_complex(x: Any) -> bool:
+    return hasattr(x, "dtype") and np.issubdtype(x.dtype, np.complexfloating)
 
 
 def _outputs_as(outs, dtypes):
@@ -381,7 +389,12 @@ def _apply(eqn, invals, rules):
         return ji.bind(eqn, _as_original(eqn, invals))  # Unknown: run as written.
     if name in rules.half:
         full = asks_full_precision(ji.product_precision(eqn))  # The author's choice wins.
-        if len(invals) == 2 and len(floats) == 2 and is_float(eqn.outvars[0].aval) and not full:
+        if len(invals) == 2 and floats and is_float(eqn.outvars[0].aval) and not full:
+            if len(floats) == 1 and not is_complex(invals[1 - floats[0]]):
+                # An integer or boolean operand (a head mask) joins the other's
+                # dtype, as JAX's promotion gives it in a half config.
+                other = invals[floats[0]].dtype
+                invals = [x if is_float(x) else cast(x, other) for x in invals]
             return _product_rule(eqn, invals, rules)
         return ji.bind(eqn, _as_original(eqn, invals))
     strong = [invals[i].dtype for i in floats if not eqn.invars[i].aval.weak_type]
@@ -499,7 +512,10 @@ def matmuls_in(
     with `scoped`), for a pure `fn` called often with the same shapes (the
     attention of every layer): calls whose other arguments are plain values
     (numbers, strings, dtypes, enums, None) share one traced rewrite per
-    signature, an inlined `jax.jit`; their results must be arrays.
+    signature, an inlined `jax.jit`; their results must be arrays. Only
+    where `fn` reads nothing that can change (no array, variable or module
+    in its closure, defaults or globals; a bound method never): otherwise
+    each call is rewritten on its own, so no value goes stale.
     """
     rules = _Rules(
         compute_dtype=_F32,
@@ -527,8 +543,61 @@ def matmuls_in(
 _SHARED_REWRITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# Packages whose functions read no array or module that can change.
+_LIBRARIES = frozenset({"builtins", "jax", "jaxlib", "flax", "numpy", "optax", "math"})
+
+
+def _from_library(fn: Any) -> bool:
+    return (getattr(fn, "__module__", None) or "").split(".")[0] in _LIBRARIES
+
+
+def _names_read(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):  # A lambda or comprehension inside.
+            names |= _names_read(const)
+    return names
+
+
+def _reads_nothing_that_changes(fn: Any, seen: set[int] | None = None) -> bool:
+    """Whether one trace of `fn` serves every call with the same signature.
+
+    True only if all `fn` closes over, binds, defaults to and reads as a
+    global is a plain value, a Python module, a class, or a function of the
+    same kind (JAX's, Flax's and the standard library's own count as such);
+    an array, a module's variable or a bound method would be baked into the
+    trace and go stale when it changes.
+    """
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return True
+    seen.add(id(fn))
+    if isinstance(fn, functools.partial):
+        bound = (fn.func, *fn.args, *fn.keywords.values())
+        return all(_is_unchanging(v, seen) for v in bound)
+    if _from_library(fn):
+        return True
+    if not isinstance(fn, types.FunctionType):
+        return False  # A bound method, a callable object: it holds state.
+    try:
+        values = [cell.cell_contents for cell in fn.__closure__ or ()]
+    except ValueError:  # A cell not filled yet.
+        return False
+    values += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+    values += [fn.__globals__[n] for n in _names_read(fn.__code__) if n in fn.__globals__]
+    return all(_is_unchanging(v, seen) for v in values)
+
+
+def _is_unchanging(value: Any, seen: set[int]) -> bool:
+    if ji.is_plain(value) or isinstance(value, (types.ModuleType, type)):
+        return True
+    return callable(value) and _reads_nothing_that_changes(value, seen)
+
+
 def _shared_rewrite(fn: Callable, rules: _Rules, args: tuple, kwargs: dict) -> Any:
     """`fn(*args, **kwargs)` rewritten through its shared trace; NotImplemented if none can be."""
+    if not _reads_nothing_that_changes(fn):
+        return NotImplemented  # Its trace would keep what it reads now: rewritten per call.
     leaves, treedef = jax.tree.flatten((args, kwargs))
     is_array = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
     static = tuple((type(x), x) for x, a in zip(leaves, is_array) if not a)
@@ -569,6 +638,7 @@ def autocast(
     half_primitives: Iterable[Any] = HALF_PRIMITIVES,
     float32_primitives: Iterable[Any] = FLOAT32_PRIMITIVES,
     promote_primitives: Iterable[Any] = PROMOTE_PRIMITIVES,
+    returns_state: ReturnsState = None,
 ) -> Callable:
     """Runs `fn` with matmuls in half precision and sensitive ops in float32.
 
@@ -576,10 +646,11 @@ def autocast(
     linen or NNX, Equinox), in the spirit of `torch.autocast`: see the module
     docstring for the rules. Arrays keep the dtypes they are given (storage is
     `Policy.cast_to_param`'s job); only the operations are rewritten, and the
-    floating results are cast to `policy.output_dtype`, except state: a part
-    of the result with the structure and shapes of a container among the
-    arguments (an Equinox `State`, a carry, a module) comes back in that
-    argument's dtypes (`jmp_policy.core.state`). Non-array results (an
+    floating results are cast to `policy.output_dtype`, except state: a
+    container in the result with the structure and shapes of one among the
+    arguments (an Equinox `State`, a carry, a cache, a module) comes back in
+    that argument's dtypes, by the rule linen's `with_policy` and
+    `jmp_policy.nnx` use too (`jmp_policy.core.state`). Non-array results (an
     Equinox module's activation) come back as returned. `param_dtype` is not
     used. Array arguments are traced, anything else is static. Each call traces
     `fn` again, so call it under `jax.jit`.
@@ -607,6 +678,10 @@ def autocast(
         dtype of their inputs. Extend a list with e.g.
         `float32_primitives=FLOAT32_PRIMITIVES | {"tanh"}`. A name in several
         lists takes the first of half, float32, promote.
+      returns_state: a pytree prefix of `fn`'s result, `True` for a part
+        that is state (kept in the dtypes of the argument it matches, else
+        as made: a cache `fn` makes), `False` for a result (the output
+        dtype); None (the default) lets the state rule decide.
 
     Returns:
       The transformed function, with `fn`'s signature.
@@ -656,6 +731,7 @@ def autocast(
         else:
             outs = run(fn, args, kwargs)
         # State returned updated keeps its dtypes; results take the output dtype.
-        return cast_results(outs, (*args, *kwargs.values()), policy.cast_to_output)
+        given = [*args, *kwargs.values()]
+        return cast_results(outs, given, policy.cast_to_output, returns_state=returns_state)
 
     return wrapped

@@ -8,6 +8,8 @@ work for any dtype spelling.
 from __future__ import annotations
 
 import dataclasses
+import sys
+import types
 import difflib
 import typing
 from typing import Any, TypeVar
@@ -129,6 +131,20 @@ def _to_matmul_dtype(value: Any) -> np.dtype | None:
     return dtype
 
 
+def _refuse_haiku(policy: Policy, caller: types.FrameType) -> None:
+    """Haiku's `hk.mixed_precision` casts a module's inputs and parameters but
+    runs its products as written: a matmul dtype would be dropped silently."""
+    if caller.f_globals.get("__name__", "").startswith("haiku."):
+        raise ValueError(
+            f"hk.mixed_precision got the policy {policy}, whose matmul dtype "
+            f"(m={policy.matmul_dtype.name}) Haiku cannot apply: it casts inputs and "
+            "parameters, and runs every product as written. Give Haiku the policy "
+            "without it (policy.with_matmul_dtype(None)) and run the transformed "
+            "function under jmp_policy.autocast(apply, policy), which applies it to "
+            "every product."
+        )
+
+
 def _is_float_array(x: Any) -> bool:
     # As jmp: jax arrays (tracers included) and numpy arrays. Numpy scalars
     # (`np.float32(3.0)`) and Python floats are left alone, as jmp leaves them.
@@ -216,7 +232,14 @@ class Policy:
         return _cast_floating_to(x, self.param_dtype)
 
     def cast_to_compute(self, x: T) -> T:
-        """Casts the floating point arrays of a pytree to the compute dtype."""
+        """Casts the floating point arrays of a pytree to the compute dtype.
+
+        Raises:
+          ValueError: if Haiku's `hk.mixed_precision` calls it on a policy
+            with a matmul dtype, which Haiku would silently drop.
+        """
+        if self.matmul_dtype is not None:
+            _refuse_haiku(self, sys._getframe(1))
         return _cast_floating_to(x, self.compute_dtype)
 
     def cast_to_output(self, x: T) -> T:

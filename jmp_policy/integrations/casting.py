@@ -11,7 +11,8 @@ on every layer, by hand) does in Flax:
   casts, except that of a module a rule names (`casts_inputs`), which is
   asked for by the user.
 * What goes in and comes back (a cache, a state, a carry) keeps its dtype:
-  the output dtype applies to a call's results only (`results_to_output`).
+  the output dtype applies to a call's results only, by the state rule of
+  `jmp_policy.core.state`, which `autocast` uses too.
 * Under a matmul dtype every product takes it: Flax's dense layers through
   their `dot_general` hook (`matmul_overrides`, which also replaces a
   `dot_general` wired in by hand), every other product (`jnp.einsum`, `@`,
@@ -23,12 +24,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
@@ -140,80 +139,3 @@ def cast_inputs(
         tuple(a if keep(i) else policy.cast_to_compute(a) for i, a in enumerate(args)),
         {k: v if keep(k) else policy.cast_to_compute(v) for k, v in kwargs.items()},
     )
-
-
-def is_real_float(x: Any) -> bool:
-    """A real floating array (jax, numpy or a tracer)."""
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-        x.dtype, jnp.floating
-    )
-
-
-def _same_structure(a: Any, b: Any) -> bool:
-    (la, sa), (lb, sb) = jax.tree.flatten(a), jax.tree.flatten(b)
-    if not la or str(sa) != str(sb):
-        return False
-    return all(getattr(x, "shape", None) == getattr(y, "shape", None) for x, y in zip(la, lb))
-
-
-def as_given(out: Any, given: Any) -> Any:
-    """`out` with each real floating array in the dtype of its counterpart in `given`.
-
-    `out` as is where the two are not the same structure of the same shapes.
-    """
-    if not _same_structure(out, given):
-        return out
-
-    def back(o, g):
-        if is_real_float(o) and is_real_float(g) and o.dtype != g.dtype:
-            return o.astype(g.dtype)
-        return o
-
-    return jax.tree.map(back, out, given)
-
-
-def _given_like(part: Any, given: Sequence[Any]) -> Any | None:
-    """The argument `part` comes from: same structure and shapes, the same dtypes first."""
-    like = [g for g in given if _same_structure(part, g)]
-    dtypes = [getattr(x, "dtype", None) for x in jax.tree.leaves(part)]
-    same = [g for g in like if [getattr(x, "dtype", None) for x in jax.tree.leaves(g)] == dtypes]
-    return (same or like or [None])[0]
-
-
-def results_to_output(policy: Policy, out: Any, given: Sequence[Any]) -> Any:
-    """A call's result with its results in the output dtype and its state as it was.
-
-    A tuple or list result such as `(logits, cache)` or `(carry, y)` is split
-    into results and state. State comes back in the dtypes it went in (that
-    of the argument with its structure and shapes, the same dtypes first), or
-    as the model made it: a part is state if it is a container of arrays (a
-    cache, a carry) that has an argument's structure, a later container (a
-    cache the model made), or a later bare array shaped like an argument. The
-    first bare array is always a result. Results are cast to the output
-    dtype; anything that is not a tuple or list is a result.
-    """
-    if not isinstance(out, (tuple, list)) or len(out) < 2:
-        return policy.cast_to_output(out)
-    parts = []
-    for i, part in enumerate(out):
-        container = _is_container(part)
-        like = _given_like(part, given) if (container or i > 0) else None
-        if like is not None:
-            parts.append(as_given(part, like))
-        elif i > 0 and container:
-            parts.append(part)
-        else:
-            parts.append(policy.cast_to_output(part))
-    if isinstance(out, tuple) and hasattr(out, "_fields"):  # A NamedTuple.
-        return type(out)(*parts)
-    return type(out)(parts)
-
-
-def _is_container(x: Any) -> bool:
-    leaves = jax.tree.leaves(x)
-    return bool(leaves) and not (len(leaves) == 1 and leaves[0] is x)
-
-
-def arguments(args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:
-    """The arguments of a call, positional then keyword, for `results_to_output`."""
-    return [*args, *kwargs.values()]

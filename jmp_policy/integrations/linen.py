@@ -20,18 +20,22 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import itertools
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
+import flax.linen.transforms
 import jax
 import numpy as np
 from flax import nnx
 
 from jmp_policy.core import jax_internals
 from jmp_policy.core.autocast import matmul_scope, matmuls_in
+from jmp_policy.core.matmul import is_float
 from jmp_policy.core.policy import Policy, get_policy
+from jmp_policy.core.state import ReturnsState, cast_results
 from jmp_policy.integrations import casting
 from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_names
 
@@ -52,8 +56,11 @@ class _Call:
     owners: dict[tuple[str, ...], Policy] = dataclasses.field(default_factory=dict)
     # Rematerialised norms by program, shared between layers (see `_rematerialised`).
     norm_programs: dict[tuple, Callable] = dataclasses.field(default_factory=dict)
+    # `nn.jit` keys its traces on it (see `_nn_jit_keyed_on_the_call`).
+    trace_key: int = dataclasses.field(default_factory=lambda: next(_TRACE_KEYS))
 
 
+_TRACE_KEYS = itertools.count(1)
 _CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("call")
 _LINEN_ENTRIES = ("apply", "init", "init_with_output")
 # Norms whose only variables are parameters; under a half policy they are
@@ -109,15 +116,22 @@ def _restore_carry(loop: str, given_args: tuple, out: Any) -> Any:
     `carry -> carry`: JAX requires the carry to come out as it went in. The
     body computes under the policy (a half carry for half layers, float32
     for a float32 rule or parameter); the carry keeps the dtypes the model
-    gave it (e.g. the float32 state of `LSTMCell.initialize_carry`).
+    gave it (e.g. the float32 state of `LSTMCell.initialize_carry`), by the
+    state rule with the carry said to be state.
     """
     if not given_args:
         return out
     if loop == "while_loop":
-        return casting.as_given(out, given_args[0])
-    if isinstance(out, tuple) and len(out) == 2:
-        return (casting.as_given(out[0], given_args[0]), out[1])
-    return out
+        returns_state: Any = True
+    elif isinstance(out, tuple) and len(out) == 2:
+        returns_state = (True, False)
+    else:
+        return out
+    return cast_results(out, given_args[:1], _unchanged, returns_state=returns_state)
+
+
+def _unchanged(tree: Any) -> Any:
+    return tree
 
 
 def _keeper(fn: Callable, names: frozenset[str]) -> Callable[[int | str], bool]:
@@ -219,6 +233,11 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
     def interceptor(next_fun, args, kwargs, context):
         # `setup` included: parameters created there (nn.Embed's) must take the
         # module's param dtype, also where a rule changes it.
+        name = context.method_name
+        if name.startswith("__") and name != "__call__":
+            # Flax intercepts a module's own `__getattr__` too, which reading
+            # its `dtype` below would call again.
+            return next_fun(*args, **kwargs)
         module = context.module
         call = _CALL.get()
         inherited = _ACTIVE_POLICY.get()
@@ -265,6 +284,36 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
     return interceptor
 
 
+def _nn_jit_keyed_on_the_call() -> None:
+    """Makes `nn.jit` trace a method again for each call under a policy, per module path.
+
+    `nn.jit` keys its traces on a module's fields and scope (not its path),
+    and the interceptor runs inside the trace: a method traced without a
+    policy (or under another, or for a layer another rule names) would serve
+    this call, silently, and its modules would not be seen by the rules. So
+    under a policy the key also holds the call and the module's path. Flax's
+    key is private: if it moves, `test_linen.py`'s nn.jit tests say so.
+    """
+    proxy = getattr(flax.linen.transforms, "_HashableProxy", None)
+    from_module = getattr(proxy, "from_module", None)
+    if from_module is None or getattr(from_module, "_jmp_policy", False):
+        return
+
+    def keyed(cls: type, module: nn.Module) -> Any:
+        key = from_module(module)
+        call = _CALL.get(None)
+        if call is None:
+            return key
+        where = (call.trace_key, tuple(str(p) for p in module.path))
+        return dataclasses.replace(key, hash_key=hash((key.hash_key, where)))
+
+    keyed._jmp_policy = True  # type: ignore[attr-defined]
+    proxy.from_module = classmethod(keyed)  # type: ignore[union-attr]
+
+
+_nn_jit_keyed_on_the_call()
+
+
 def _linen_entry(fn: Callable) -> str | None:
     """'apply', 'init' or 'init_with_output' for a bound linen method, else None."""
     if isinstance(getattr(fn, "__self__", None), nn.Module):
@@ -284,7 +333,7 @@ def _split_first(entry: str, args: tuple, kwargs: dict) -> tuple[Any, tuple, dic
     return kwargs.pop(name), (), kwargs
 
 
-def _returns_state(kwargs: dict) -> bool:
+def _returns_collections(kwargs: dict) -> bool:
     mutable = kwargs.get("mutable", False)
     return bool(mutable) or bool(kwargs.get("capture_intermediates", False))
 
@@ -296,6 +345,7 @@ def with_policy(
     rules: Rules | None = None,
     remat_norms: bool = True,
     keep_inputs: str | Iterable[str] = (),
+    returns_state: ReturnsState = None,
 ) -> Callable:
     """Returns `fn` running under a mixed precision policy.
 
@@ -328,10 +378,12 @@ def with_policy(
     half inputs to float32 statistics, their cells add half gates to a
     float32 carry), also where the caller set strict promotion.
 
-    A tuple result is split into results and state: `(logits, cache)` comes
-    back with the cache in the dtypes it went in (or, made inside the model,
-    as the model made it), `(carry, y)` with the carry in the dtypes given;
-    see `casting.results_to_output`. A decode cache made by the plain
+    The result is split into results and state by the rule `jmp_policy.nnx`
+    and `autocast` use too (`jmp_policy.core.state`): in `(logits, cache)`,
+    `Output(logits, cache)` or `{"logits": ..., "cache": ...}` the cache (a
+    container with the structure and shapes of an argument) comes back in the
+    dtypes it went in; bare arrays are results, in the output dtype;
+    `returns_state` says it where the rule cannot know. A decode cache made by the plain
     `model.init` (float32) does not fit a half model: the dtype error it
     causes is re-raised as a `TypeError` naming the collection and the fix.
 
@@ -400,6 +452,10 @@ def with_policy(
       keep_inputs: names of arguments of the model's call (or of `fn`, for a
         plain function) whose floating arrays are passed as given, never cast
         (for a model, only a rule naming it casts its inputs).
+      returns_state: a pytree prefix of the result, `True` for a part that
+        is state (kept in the dtypes of the argument it matches, else as
+        made: a bare array cache, a cache the model makes), `False` for a
+        result (the output dtype); None (the default) lets the rule decide.
 
     Returns:
       The wrapped function. Jit it (`jax.jit(with_policy(...))`): a jitted
@@ -439,8 +495,12 @@ def with_policy(
     rewrite = any(m is not None for m in (policy.matmul_dtype, *rule_set.matmul_dtypes))
     target, bound_args, bound_kwargs = _unwrap_partial(fn)
     entry = _linen_entry(target)
+
+    def to_output(out: Any, given: list) -> Any:
+        return cast_results(out, given, policy.cast_to_output, returns_state=returns_state)
+
     if entry is None:
-        return _plain_function(fn, policy, interceptor, keep_inputs, rewrite)
+        return _plain_function(fn, policy, interceptor, keep_inputs, rewrite, to_output)
 
     def run(first, args, kwargs):
         return target(first, *args, **kwargs)
@@ -468,6 +528,7 @@ def with_policy(
         if "method" not in kwargs:
             # A whole-model call met every module: a pattern that matched none is a typo.
             rule_set.check_all_matched(call.matched, call.paths, getattr(target, "__self__", None))
+        given = [*args, *kwargs.values()]
         if entry != "apply":
             # `model.init`'s own draws (a parameter drawn in the model's
             # `dtype` would otherwise be drawn in half), cast after.
@@ -477,12 +538,12 @@ def with_policy(
                 # Arguments only the policy's model takes (a half cache):
                 # the policy's own draws.
                 plain = result
-            return _init_result(entry, result, plain, call.owners, policy)
-        given = casting.arguments(args, kwargs)
-        if _returns_state(kwargs):
-            out, state = result
-            return casting.results_to_output(policy, out, given), state
-        return casting.results_to_output(policy, result, given)
+            variables = _init_variables(entry, result, plain, call.owners, policy)
+            return variables if entry == "init" else (to_output(result[0], given), variables)
+        if _returns_collections(kwargs):
+            out, collections = result
+            return to_output(out, given), collections
+        return to_output(result, given)
 
     return wrapped
 
@@ -518,7 +579,12 @@ def _calling(policy: Policy, call: _Call, interceptor: Callable) -> Iterator[Non
 
 
 def _plain_function(
-    fn: Callable, policy: Policy, interceptor: Callable, keep_inputs: frozenset[str], rewrite: bool
+    fn: Callable,
+    policy: Policy,
+    interceptor: Callable,
+    keep_inputs: frozenset[str],
+    rewrite: bool,
+    to_output: Callable[[Any, list], Any],
 ) -> Callable:
     """`with_policy` of a function that is not a linen entry point (a `lambda` around apply)."""
     keep = _keeper(fn, keep_inputs)
@@ -532,27 +598,24 @@ def _plain_function(
         # The function's floating arguments are its inputs, except Flax
         # variables (a mapping with "params"): modules cast their parameters
         # themselves, and `batch_stats` stay float32.
+        given = [*args, *kwargs.values()]  # State comes back in the dtypes it came in.
         args, kwargs = casting.cast_inputs(
             policy, args, kwargs, lambda k: keep(k) or _is_variables((args, kwargs), k)
         )
         with _calling(policy, _Call(frozenset(), rewrite=rewrite, top=False), interceptor):
             out = call_fn(*args, **kwargs)
-        return casting.results_to_output(policy, out, casting.arguments(args, kwargs))
+        return to_output(out, given)
 
     return wrapped
 
 
-def _init_result(
+def _init_variables(
     entry: str, result: Any, plain: Any, owners: dict[tuple[str, ...], Policy], policy: Policy
 ) -> Any:
-    """`init`'s result: the parameters `model.init` drew, the other collections the policy's."""
+    """`init`'s variables: the parameters `model.init` drew, the other collections the policy's."""
     if entry == "init":
         return _with_params_of(result, plain, owners, policy)
-    (out, variables), (_, plain_variables) = result, plain
-    return (
-        casting.results_to_output(policy, out, ()),
-        _with_params_of(variables, plain_variables, owners, policy),
-    )
+    return _with_params_of(result[1], plain[1], owners, policy)
 
 
 def _with_params_of(
@@ -577,7 +640,7 @@ def _explain_state_dtypes(error: Exception, variables: Any, policy: Policy) -> N
     for name, tree in variables.items():
         if name in ("params", "batch_stats"):
             continue
-        dtypes = {str(x.dtype) for x in jax.tree.leaves(tree) if casting.is_real_float(x)}
+        dtypes = {str(x.dtype) for x in jax.tree.leaves(tree) if is_float(x)}
         if dtypes - {c.name}:
             mismatched[name] = sorted(dtypes)
     if not mismatched:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from collections.abc import Callable, Container, Iterable
 from typing import Any, TypeVar, cast
 
@@ -33,6 +34,7 @@ from jmp_policy.core.autocast import matmuls_in
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
 from jmp_policy.core.policy import Policy, get_policy
+from jmp_policy.core.state import ReturnsState, cast_results
 from jmp_policy.integrations import casting
 from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_names
 
@@ -179,6 +181,7 @@ def _with_policy(
     policy = get_policy(policy)
     rule_set = RuleSet(rules, nnx.Module, "blocks/*/norm")
     mixed = nnx.clone(module)
+    _rebind_closures(module, mixed)
     policies, named = _module_policies(mixed, rule_set, policy)
     modules = dict(nnx.iter_modules(mixed))
     for path, sub in modules.items():
@@ -199,6 +202,65 @@ def _with_policy(
     return mixed, policies, named
 
 
+def _rebind_closures(original: nnx.Module, copy: nnx.Module) -> None:
+    """Functions in `copy` that close over `original`'s modules or variables
+    (an `attention_fn` reading a learned bias) read `copy`'s instead.
+
+    `nnx.clone` copies the graph but not its functions: they would go on
+    reading the original, which training the copy never updates.
+    """
+    copies = dict(nnx.iter_graph(copy))
+    twin = {
+        id(node): copies[path]
+        for path, node in nnx.iter_graph(original)
+        if path in copies and (_is_node(node) or isinstance(node, nnx.Variable))
+    }
+    for path, value in copies.items():
+        if not path or _is_node(value) or not callable(value):
+            continue
+        parent, rebound = copies[path[:-1]], _rebound(value, twin, set())
+        if rebound is not value and isinstance(parent, nnx.Module):
+            object.__setattr__(parent, path[-1], rebound)
+
+
+def _rebound(fn: Any, twin: dict[int, Any], seen: set[int]) -> Any:
+    """`fn` with every module or variable of `twin`'s keys it binds replaced by its twin."""
+    if id(fn) in seen:
+        return fn
+    seen.add(id(fn))
+
+    def swap(value: Any) -> Any:
+        if id(value) in twin:
+            return twin[id(value)]
+        return _rebound(value, twin, seen) if callable(value) else value
+
+    if isinstance(fn, functools.partial):
+        func, args = swap(fn.func), tuple(map(swap, fn.args))
+        keywords = {k: swap(v) for k, v in fn.keywords.items()}
+        if func is fn.func and args == fn.args and keywords == fn.keywords:
+            return fn
+        return functools.partial(func, *args, **keywords)
+    if isinstance(fn, types.MethodType):
+        owner = swap(fn.__self__)
+        return fn if owner is fn.__self__ else types.MethodType(fn.__func__, owner)
+    if not isinstance(fn, types.FunctionType) or not fn.__closure__:
+        return fn
+    try:
+        contents = [cell.cell_contents for cell in fn.__closure__]
+    except ValueError:  # A cell not filled yet.
+        return fn
+    swapped = [swap(c) for c in contents]
+    if all(a is b for a, b in zip(swapped, contents)):
+        return fn
+    new = types.FunctionType(
+        fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+        tuple(types.CellType(c) for c in swapped),
+    )  # fmt: skip
+    new.__kwdefaults__, new.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    new.__dict__.update(fn.__dict__)
+    return new
+
+
 class PolicyModule(nnx.Module):
     """An NNX module under a policy, with the policy's casts at its boundary.
 
@@ -206,7 +268,9 @@ class PolicyModule(nnx.Module):
     policy, rules=rules)` as `.module` (a copy: `module` is left unchanged).
     Calling it calls the module and casts the floating results to the output
     dtype; state it returns keeps its dtype (`(logits, cache)`: the cache
-    comes back in the dtypes it went in, see `jmp_policy.with_policy`). The
+    comes back in the dtypes it went in), by the rule of
+    `jmp_policy.core.state` that linen's `with_policy` and `autocast` use
+    too; `returns_state` says it where the rule cannot know. The
     arguments are passed as given, as to the model's own half-precision
     config: NNX layers cast what they compute with, so plain `jnp` maths on
     the inputs (a diffusion model's timestep embedding) keeps their
@@ -231,11 +295,16 @@ class PolicyModule(nnx.Module):
       rules: optional per-class or per-path rules, as in `with_policy`.
       keep_inputs: names of arguments of `module.__call__` never cast (where
         a rule names the module, the only case its inputs are cast).
+      returns_state: a pytree prefix of the module's result, `True` for a
+        part that is state (kept in the dtypes of the argument it matches,
+        else as made), `False` for a result (the output dtype); None (the
+        default) lets the state rule decide.
 
     Raises:
       TypeError, ValueError: as `with_policy`; TypeError if `keep_inputs` is
         not argument names, ValueError if it names an argument `module.__call__`
-        does not have.
+        does not have; when called, as `jmp_policy.core.state.cast_results`
+        for a `returns_state` that does not fit the result.
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from flax import nnx
@@ -260,8 +329,10 @@ class PolicyModule(nnx.Module):
         *,
         rules: Rules | None = None,
         keep_inputs: str | Iterable[str] = (),
+        returns_state: ReturnsState = None,
     ) -> None:
         self.policy = get_policy(policy)
+        self.returns_state = returns_state
         self.module, policies, named = _with_policy(module, self.policy, rules)
         # The model's inputs are cast as any layer's: by its own policy (a
         # rule on the model decides), if it is a layer or a rule names it.
@@ -295,6 +366,7 @@ class PolicyModule(nnx.Module):
         return key in self.keep_inputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        given = [*args, *kwargs.values()]  # State comes back in the dtypes it came in.
         if self.input_policy is not None:
             args = tuple(
                 a if self._keep(i) else self.input_policy.cast_to_compute(a)
@@ -320,7 +392,9 @@ class PolicyModule(nnx.Module):
                 "cast the carry back in the loop body (e.g. `return block(x).astype(x.dtype)`), "
                 "or drop the rule."
             ) from e
-        return casting.results_to_output(self.policy, out, casting.arguments(args, kwargs))
+        return cast_results(
+            out, given, self.policy.cast_to_output, returns_state=self.returns_state
+        )
 
 
 def _with_matmuls(fn: Callable, args: tuple, kwargs: dict, *, matmul: tuple[Any, str]) -> Any:
