@@ -38,7 +38,7 @@ import jmp_policy.nnx as jnnx
 from jmp_policy.app.benchmarks.transformer import make_train_step
 from jmp_policy.core.fp8 import E4M3_MAX, E5M2_MAX, fp8_scale
 
-from helpers import load_script, lowered_ops
+from helpers import hlo_ops, load_script, lowered_ops
 
 ROOT = Path(__file__).resolve().parent.parent
 F32 = np.dtype(np.float32)
@@ -564,27 +564,47 @@ class PreciseAngles(nn.Module):
         return exact + nn.Dense(16, name="plain")(x)
 
 
-# with_policy under a bf16 compute dtype gives the exact Dense dtype=bf16, as
-# the hand-written config would: its inputs are bf16 before its product.
+# The author's precision wins under every policy and front end: the exact
+# Dense computes in float32 (the plain one in the policy's dtype).
 @pytest.mark.parametrize(
     ("front_end", "policy"),
-    [("with_policy", "p=f32,c=f32,o=f32,m=bf16"), ("with_policy", "p=f32,c=f32,o=f32,m=f8")]
-    + [("autocast", p) for p in ("mixed_bfloat16", "p=f32,c=f32,o=f32,m=bf16", "mixed_float8")],
+    [
+        (front_end, policy)
+        for front_end in ("with_policy", "autocast", "nnx")
+        for policy in ("mixed_bfloat16", "p=f32,c=f32,o=f32,m=bf16", "mixed_float8")
+    ],
 )
+@jax.numpy_dtype_promotion("standard")  # The exact Dense's float32 meets the plain one's bf16.
 def test_a_product_the_author_asks_at_highest_stays_float32(front_end, policy):
-    model = PreciseAngles()
     pos, x = jnp.arange(257, dtype=jnp.float32), jnp.ones((257, 8), jnp.float32)
-    params = model.init(jax.random.key(0), pos, x)
-    wrap = jmp.with_policy if front_end == "with_policy" else jmp.autocast
-    dots = [op for op in lowered_ops(wrap(model.apply, policy), params, pos, x)
-            if op.name == "dot_general"]  # fmt: skip
+    if front_end == "nnx":
+        model = jnnx.PolicyModule(NnxPreciseAngles(nnx.Rngs(0)), policy)
+        graphdef, state = nnx.split(model)
+        text = jax.jit(lambda s, p, x: nnx.merge(graphdef, s)(p, x)).lower(state, pos, x)
+        dots = [op for op in hlo_ops(text.as_text()) if op.name == "dot_general"]
+    else:
+        params = PreciseAngles().init(jax.random.key(0), pos, x)
+        wrap = jmp.with_policy if front_end == "with_policy" else jmp.autocast
+        dots = [op for op in lowered_ops(wrap(PreciseAngles().apply, policy), params, pos, x)
+                if op.name == "dot_general"]  # fmt: skip
     # The einsum and the exact Dense as written, at HIGHEST; the plain Dense in the policy's.
     kept = [op for op in dots if "HIGHEST" in op.line]
     assert len(kept) == 2 and all(op.operand_types == ("f32", "f32") for op in kept), dots
-    assert len(dots) == 3 and [op for op in dots if op not in kept][0].operand_types != (
+    assert len(dots) == 3 and next(op for op in dots if op not in kept).operand_types != (
         "f32",
         "f32",
     )
+
+
+class NnxPreciseAngles(nnx.Module):
+    def __init__(self, rngs):
+        self.exact = nnx.Linear(16, 16, precision=lax.Precision.HIGHEST, rngs=rngs)
+        self.plain = nnx.Linear(8, 16, rngs=rngs)
+
+    def __call__(self, pos, x):
+        freqs = jnp.linspace(0.0, 1.0, 16, dtype=jnp.float32)
+        angles = jnp.einsum("p,f->pf", pos, freqs, precision=lax.Precision.HIGHEST)
+        return self.exact(jnp.sin(angles)) + self.plain(x)
 
 
 @pytest.mark.parametrize(

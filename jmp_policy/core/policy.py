@@ -8,9 +8,9 @@ work for any dtype spelling.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import sys
 import types
-import difflib
 import typing
 from typing import Any, TypeVar
 

@@ -34,7 +34,7 @@ from jax import lax
 
 from jmp_policy.core import jax_internals
 from jmp_policy.core.autocast import matmuls_in
-from jmp_policy.core.matmul import matmul_dot_general
+from jmp_policy.core.matmul import asks_full_precision, matmul_dot_general
 from jmp_policy.core.policy import Policy
 
 # The dense layers whose `dot_general` hook takes the matmul dtype; `*_cls`
@@ -65,10 +65,18 @@ def is_flax_module(module: Any) -> bool:
 
 
 def attribute_overrides(module: Any, policy: Policy) -> dict[str, Any]:
-    """The `dtype` and `param_dtype` attributes a module takes under `policy`."""
+    """The `dtype` and `param_dtype` attributes a module takes under `policy`.
+
+    A layer whose author asked for `precision=HIGHEST` (or a float32 dot
+    algorithm) computes in float32 under every policy: the author's explicit
+    precision wins, as it does for a product under `autocast`.
+    """
     if keeps_its_dtypes(module):
         return {}
-    overrides = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
+    compute = policy.compute_dtype
+    if asks_full_precision(getattr(module, "precision", None)):
+        compute = np.promote_types(compute, np.float32)
+    overrides = {"dtype": compute, "param_dtype": policy.param_dtype}
     return {k: v for k, v in overrides.items() if hasattr(module, k)}
 
 

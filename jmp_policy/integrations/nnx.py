@@ -188,9 +188,8 @@ def _with_policy(
         if casting.keeps_its_dtypes(sub):
             continue  # Complex parameters are left alone by `cast_to_param` too.
         p = policies[path]
-        for name, dtype in (("dtype", p.compute_dtype), ("param_dtype", p.param_dtype)):
-            if hasattr(sub, name):
-                setattr(sub, name, dtype)
+        for name, value in casting.attribute_overrides(sub, p).items():
+            setattr(sub, name, value)
         for name, value in casting.matmul_overrides(sub, p).items():
             setattr(sub, name, value)
     for path, node in nnx.iter_graph(mixed):
