@@ -1652,3 +1652,27 @@ def test_nn_jit_methods_take_the_policy_and_its_rules_whatever_was_traced_before
     np.testing.assert_array_equal(out, ruled(variables, x))
     with pytest.raises(ValueError, match="'nothere' matches no module"):
         with_policy(model.apply, "mixed_bfloat16", rules={"nothere": "f32"})(variables, x)
+
+
+class _TiedLM(nn.Module):
+    """A head applied by hand with the embedding's transpose (Gemma, T5, OPT)."""
+
+    def setup(self):
+        self.embed = nn.Embed(10, 8)
+        self.block = nn.Dense(8)
+        self.lm_head = nn.Dense(10, use_bias=False)
+
+    def __call__(self, ids):
+        h = self.block(self.embed(ids))
+        return self.lm_head.apply({"params": {"kernel": self.embed.embedding.T}}, h)
+
+
+def test_path_rules_reach_a_module_applied_by_hand():
+    ids = jnp.zeros((2, 3), jnp.int32)
+    variables = _TiedLM().init(jax.random.key(0), ids)
+    apply = with_policy(_TiedLM().apply, "mixed_bfloat16", rules={"lm_head": "f32"})
+    dots = contractions(jax.jit(apply).lower(variables, ids).as_text())
+    assert [d.operand_types for d in dots] == [("bf16", "bf16"), ("f32", "f32")]
+    plain = with_policy(_TiedLM().apply, "mixed_bfloat16")
+    dots = contractions(jax.jit(plain).lower(variables, ids).as_text())
+    assert [d.operand_types for d in dots] == [("bf16", "bf16")] * 2

@@ -558,3 +558,47 @@ def test_complex_layers_stay_complex(policy):
     assert mixed.module.complex.dtype == jnp.complex64
     assert mixed.module.complex.kernel.dtype == jnp.complex64
     np.testing.assert_allclose(mixed(z), model(z), atol=3e-2)
+
+
+class _QKNormAttention(nnx.Module):
+    """Attention with q/k-norm (Qwen3's) decoding into a dict cache."""
+
+    def __init__(self, d, rngs, dtype=None):
+        self.q, self.k, self.v = (nnx.Linear(d, d, dtype=dtype, rngs=rngs) for _ in range(3))
+        self.q_norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
+        self.k_norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cache):
+        q, k, v = self.q_norm(self.q(x)), self.k_norm(self.k(x)), self.v(x)
+        pos = cache["pos"]
+        keys = jax.lax.dynamic_update_slice(cache["k"], k, (0, pos, 0))
+        values = jax.lax.dynamic_update_slice(cache["v"], v, (0, pos, 0))
+        scores = jnp.einsum("bqd,bkd->bqk", q, keys)
+        scores = jnp.where(jnp.arange(keys.shape[1]) <= pos, scores, -1e9)
+        out = jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores, -1), values)
+        return out, {"k": keys, "v": values, "pos": pos + 1}
+
+
+@jax.numpy_dtype_promotion("standard")  # As such models run (and the hand config needs).
+def test_q_k_norm_keys_fit_the_values_cache_as_in_the_hand_written_config():
+    d, steps = 8, 4
+    xs = jax.random.normal(jax.random.key(1), (steps, 2, 1, d))
+
+    def decode(model, dtype):
+        cache = {"k": jnp.zeros((2, steps, d), dtype), "v": jnp.zeros((2, steps, d), dtype)}
+        cache["pos"] = jnp.int32(0)
+        outs = []
+        for x in xs:
+            out, cache = model(x, cache)
+            outs.append(out)
+        return jnp.concatenate(outs, 1), cache
+
+    plain = _QKNormAttention(d, nnx.Rngs(0))
+    want, _ = decode(plain, jnp.float32)
+    hand_out, hand_cache = decode(_QKNormAttention(d, nnx.Rngs(0), jnp.bfloat16), jnp.bfloat16)
+    for policy in ("mixed_bfloat16", "p=f32,c=bf16,o=f32,m=bf16"):
+        out, cache = decode(jnnx.PolicyModule(plain, policy), jnp.bfloat16)
+        assert {k: v.dtype for k, v in cache.items()} == {k: v.dtype for k, v in hand_cache.items()}
+        assert out.dtype == jnp.float32
+        err, hand_err = (float(jnp.max(jnp.abs(o - want))) for o in (out, hand_out))
+        assert err <= 1.5 * hand_err + 1e-3, (policy, err, hand_err)

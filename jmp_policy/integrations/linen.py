@@ -56,6 +56,10 @@ class _Call:
     owners: dict[tuple[str, ...], Policy] = dataclasses.field(default_factory=dict)
     # Rematerialised norms by program, shared between layers (see `_rematerialised`).
     norm_programs: dict[tuple, Callable] = dataclasses.field(default_factory=dict)
+    # The paths of the modules running, innermost last, and of each root
+    # scope (by id) the path its modules are under (see `_module_path`).
+    running: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
+    prefixes: dict[int, tuple[Any, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
     # `nn.jit` keys its traces on it (see `_nn_jit_keyed_on_the_call`).
     trace_key: int = dataclasses.field(default_factory=lambda: next(_TRACE_KEYS))
 
@@ -69,11 +73,34 @@ _LINEN_ENTRIES = ("apply", "init", "init_with_output")
 _REMAT_NORMS = (nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
 
 
+def _module_path(module: nn.Module, call: _Call) -> tuple[str, ...]:
+    """The module's path in the model, also for a module applied by hand.
+
+    A module applied by hand inside another (a tied head:
+    `self.lm_head.apply({"params": {"kernel": emb.T}}, h)`) runs in a new
+    root scope, at path (); it is at the caller's path plus its own name, and
+    the modules inside it below that.
+    """
+    scope = module.scope
+    if scope is None:
+        return tuple(str(p) for p in module.path)
+    root = scope
+    while root.parent is not None:
+        root = root.parent
+    if id(root) not in call.prefixes:
+        by_hand = call.running and not root.path and root is scope
+        name = [module.name] if module.name else []
+        # The scope is kept with its prefix: its id is not reused during the call.
+        call.prefixes[id(root)] = (root, (*call.running[-1], *name) if by_hand else ())
+    return (*call.prefixes[id(root)][1], *(str(p) for p in module.path))
+
+
 def _module_policy(
     module: nn.Module, rules: RuleSet, inherited: Policy, call: _Call
 ) -> tuple[Policy, bool]:
     """`(policy, whether a rule named the module)`; records the module's path."""
-    path = tuple(str(p) for p in module.path)
+    path = _module_path(module, call)
+    call.running.append(path)
     call.paths.add("/".join(path))
     policy, named = rules.policy_for(module, "/".join(path), inherited, call.matched)
     call.owners[path] = policy
@@ -280,6 +307,7 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
             for name, value in saved.items():
                 object.__setattr__(module, name, value)
             _ACTIVE_POLICY.reset(token)
+            call.running.pop()
 
     return interceptor
 

@@ -6,7 +6,8 @@ their `dtype` (computation) and `param_dtype` (storage) attributes set and
 whose `nnx.Param`s are cast to the param dtype. Flax's NNX layers cast their
 inputs and parameters to `dtype` on every call (`promote_dtype`), so a float32
 LayerNorm does not make the next matmul float32: the next Linear casts the
-norm's output back. Norms are therefore left in float32 by default.
+norm's output back. Norms compute in the compute dtype, as in the model's
+own half config, except under strict dtype promotion (float32 there).
 `PolicyModule` adds the policy at the model's boundary: results to output
 (state keeps its dtype), and every product in the matmul dtype. What is cast
 is decided with the linen integration in `jmp_policy.integrations.casting`.
@@ -42,15 +43,17 @@ M = TypeVar("M", bound=nnx.Module)
 PathParts = tuple[Any, ...]
 
 
-# Norms compute in at least float32 unless a rule names them: their statistics
-# are float32 anyway, and Flax's NNX norms reject half inputs under strict dtype
-# promotion (`jnp.promote_types(bfloat16, float32)`). Their float32 output costs
-# no matmul precision: the next NNX layer casts its inputs to its own dtype.
+# Norms compute in the compute dtype, as in the model's own half config
+# (Flax's NNX norms take their statistics in float32 whatever their dtype), so
+# a q/k-norm's keys come out in the values' dtype and fit one cache. Under
+# strict dtype promotion Flax's NNX norms cannot run in half at all
+# (`jnp.promote_types(bfloat16, float32)`): there they compute in float32 unless
+# a rule names them; the next NNX layer casts its inputs to its own dtype.
 _NORMS = (nnx.BatchNorm, nnx.GroupNorm, nnx.InstanceNorm, nnx.LayerNorm, nnx.RMSNorm)
 
 
 def _norm_policy(policy: Policy) -> Policy:
-    if policy.compute_dtype.itemsize >= 4:
+    if policy.compute_dtype.itemsize >= 4 or jax.config.jax_numpy_dtype_promotion != "strict":
         return policy
     return policy.with_compute_dtype(np.float32)
 
@@ -101,12 +104,14 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
     other non-`Param` variables keep their dtype (Flax's are float32).
 
     Normalisation layers (`nnx.LayerNorm`, `RMSNorm`, `BatchNorm`,
-    `GroupNorm`, `InstanceNorm`) that no rule names compute in float32 (in
-    the compute dtype if that is wider) and return float32, as under
-    `torch.autocast`: their statistics are float32 anyway, Flax's NNX norms
-    reject half inputs under strict dtype promotion, and the next NNX layer
-    casts their output back to its own dtype, so no matmul becomes float32.
-    A rule naming a norm (e.g. `{nnx.LayerNorm: policy}`) overrides this.
+    `GroupNorm`, `InstanceNorm`) take the compute dtype like every layer, as
+    in the model's own half config: Flax takes their statistics in float32
+    and returns the compute dtype, so a q/k-norm's keys fit the values' cache.
+    Under strict dtype promotion, where Flax's NNX norms cannot run in half,
+    those that no rule names compute in float32 (in the compute dtype if that
+    is wider) and return float32; the next NNX layer casts their output back
+    to its own dtype, so no matmul becomes float32. A rule naming a norm (e.g.
+    `{nnx.LayerNorm: policy}`) overrides this.
 
     The copy (`nnx.clone`) has new `Variable`s, sharing arrays not cast, so
     the original module is left unchanged, and updating the copy (with an
