@@ -604,3 +604,73 @@ def test_autocast_rewrites_pmap_and_shard_map_bodies():
     w2 = normal(35, 16, 4)
     assert_half_products(autocast(g, MIXED), xs, w2, count=1)
     assert_close(autocast(g, MIXED)(xs, w2), g(xs, w2))
+
+
+# ------------------------------------------------------------ a user's custom_vjp
+
+
+@jax.custom_vjp
+def _clipped_layer(x, w):
+    """tanh(x @ w), whose backward clips the cotangent of `w` to [-0.1, 0.1]."""
+    return jnp.tanh(x @ w)
+
+
+def _clipped_fwd(x, w):
+    y = _clipped_layer(x, w)
+    return y, (x, w, y)
+
+
+def _clipped_bwd(res, g):
+    x, w, y = res
+    d = g * (1 - y**2)
+    return d @ w.T, jnp.clip(x.T @ d, -0.1, 0.1)
+
+
+_clipped_layer.defvjp(_clipped_fwd, _clipped_bwd)
+
+
+@pytest.mark.parametrize(
+    "policy, half",
+    [
+        ("mixed_bfloat16", "bf16"),
+        ("p=f32,c=f32,o=f32,m=bf16", "bf16"),
+        ("mixed_float8", "f8E4M3FN"),
+    ],
+)
+def test_products_inside_a_users_custom_vjp_take_the_policy(policy, half):
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    w = jax.random.normal(jax.random.key(1), (16, 4)) / 4
+
+    def loss(x, w):
+        return jnp.sum(_clipped_layer(x, w) ** 2)
+
+    grad = jax.grad(autocast(loss, policy), argnums=(0, 1))
+    dots = [op for op in lowered_ops(grad, x, w) if op.name == "dot_general"]
+    # The forward product, its recomputation for the backward (the residuals
+    # are the inputs) and the user's two backward ones: none float32.
+    assert len(dots) == 4 and all(op.operand_types == (half, half) for op in dots), dots
+    got, want = grad(x, w), jax.grad(loss, argnums=(0, 1))(x, w)
+    # The user's rule, not JAX's: the weight's cotangent is clipped.
+    clip = float(np.float32(0.1))
+    assert float(jnp.max(jnp.abs(got[1]))) == clip == float(jnp.max(jnp.abs(want[1])))
+
+    # As close as the same layer's gradient outside a custom_vjp.
+    def plain(x, w):
+        y = jnp.tanh(x @ w)
+        return jnp.sum(y**2)
+
+    def error(a, b):
+        return float(jnp.max(jnp.abs(a[0] - b[0])))  # The input's (unclipped) gradient.
+
+    plain_grad = jax.grad(autocast(plain, policy), argnums=(0, 1))(x, w)
+    assert error(got, want) <= 1.5 * error(plain_grad, jax.grad(plain, argnums=(0, 1))(x, w))
+
+
+def test_jmp_policys_own_products_in_an_autocast_are_not_rewritten_again():
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8)) / 8
+    inner = autocast(lambda x, w: x @ w, "mixed_float8")
+    once = [op for op in lowered_ops(jax.grad(lambda x, w: inner(x, w).sum(), (0, 1)), x, w)]
+    twice = lowered_ops(jax.grad(lambda x, w: autocast(inner, MIXED)(x, w).sum(), (0, 1)), x, w)
+    assert [(op.name, op.operand_types) for op in twice if op.name == "dot_general"] == [
+        (op.name, op.operand_types) for op in once if op.name == "dot_general"
+    ]

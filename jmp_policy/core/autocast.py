@@ -27,10 +27,12 @@ program are kept (so `jnp.mean` of a bf16 array, which sums in float32 and
 casts back, still returns bf16). Nested programs are rewritten too: `jit` and
 `checkpoint` as if inlined; `custom_jvp` functions (`jax.nn.relu`,
 `jax.nn.softmax`, ...) and their JVP rules, on inputs of the dtypes the rule
-was written for; `scan`, `while_loop` and `cond` with the input and output
-dtypes of the original, so loop carries and branches stay type-correct;
-`shard_map` (and so `jax.pmap`) bodies inside a new `shard_map` over the same
-mesh and specs, their inputs and results in the original dtypes.
+was written for; a user's `custom_vjp` forward and backward rule (the
+products jmp_policy itself makes are left as decided); `scan`, `while_loop`
+and `cond` with the input and output dtypes of the original, so loop
+carries and branches stay type-correct; `shard_map` (and so `jax.pmap`)
+bodies inside a new `shard_map` over the same mesh and specs, their inputs
+and results in the original dtypes.
 
 Matmuls and convolutions run through `jmp_policy.core.matmul`, whose custom VJP
 keeps the backward products half x half with float32 accumulation too.
@@ -47,7 +49,9 @@ import contextvars
 import dataclasses
 import difflib
 import functools
+import os
 import re
+import sys
 import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -230,6 +234,43 @@ def _custom_jvp_rule(eqn, invals, rules):
     return f(*args)
 
 
+# jmp_policy's own products (half and FP8) are `custom_vjp`s already decided.
+_OWN_PRODUCTS = frozenset(
+    os.path.abspath(str(sys.modules[f.__module__].__file__))
+    for f in (accumulating_dot, fp8_product)
+)
+
+
+def _custom_vjp_rule(eqn, invals, rules):
+    # A user's `custom_vjp`: its forward rewritten; its backward the user's
+    # rule, rewritten too, from the inputs as residuals (it recomputes the
+    # forward, as `jax.checkpoint` would).
+    args = _as_original(eqn, invals)
+    program = ji.custom_vjp_primal(eqn)
+    file = ji.custom_vjp_file(eqn)
+    if (
+        (file is not None and os.path.abspath(file) in _OWN_PRODUCTS)
+        or not all(is_float(a) for a in (*program.in_avals, *program.out_avals))
+        or not _contains(program.jaxpr, rules.half)
+    ):
+        return ji.bind(eqn, args)  # Decided, integer-valued, or nothing to rewrite.
+    out_dtypes = [o.dtype for o in program.out_avals]
+
+    @_in_scope
+    def primal(*xs):
+        return _outputs_as(_eval(program.jaxpr, program.consts, xs, rules), out_dtypes)
+
+    def original_vjp(xs, cts):
+        return jax.vjp(lambda *a: ji.bind(eqn, a), *xs)[1](list(cts))
+
+    f = jax.custom_vjp(primal)
+    f.defvjp(
+        lambda *xs: (primal(*xs), xs),
+        lambda xs, cts: tuple(_trace_and_eval(original_vjp, (xs, tuple(cts)), rules)),
+    )
+    return f(*args)
+
+
 def _shard_map_rule(eqn, invals, rules):
     # The per-device program is rewritten inside a new `shard_map` over the
     # same mesh and specs; its inputs and results keep their dtypes.
@@ -247,6 +288,7 @@ _HIGHER_ORDER = {p: _control_flow_rule for p in ji.CONTROL_FLOW_JAXPR_PARAMS}
 _HIGHER_ORDER.update({p: _call_rule for p in ji.CALL_JAXPR_PARAM})
 _HIGHER_ORDER[ji.remat_p] = _remat_rule
 _HIGHER_ORDER[ji.custom_jvp_call_p] = _custom_jvp_rule
+_HIGHER_ORDER[ji.custom_vjp_call_p] = _custom_vjp_rule
 
 
 # `matmul_scope` markers: a module (or any code) whose products take another
@@ -665,8 +707,9 @@ def autocast(
     `nnx.jit`: their state is threaded through the traced program and written
     back; a module `fn` merely closes over gets a `TypeError` saying so. Not
     supported: forward-mode differentiation (`jax.jvp`, `jax.jacfwd`) through
-    the half matmuls, which carry a `jax.custom_vjp`; user `custom_vjp`
-    functions run as written.
+    the half matmuls, which carry a `jax.custom_vjp`. A user's `custom_vjp`
+    is rewritten too: its forward, and its backward rule from the inputs as
+    residuals (the rule recomputes the forward, as under `jax.checkpoint`).
 
     Args:
       fn: the function to transform.

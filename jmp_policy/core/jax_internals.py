@@ -71,6 +71,7 @@ CONTROL_FLOW_JAXPR_PARAMS: dict[Primitive, tuple[str, ...]] = {
 SHARD_MAP_NAME = "shard_map"
 remat_p: Primitive = _primitive("remat_p")
 custom_jvp_call_p: Primitive = _primitive("custom_jvp_call_p")
+custom_vjp_call_p: Primitive = _primitive("custom_vjp_call_p")
 convert_element_type_p: Primitive = _primitive("convert_element_type_p")
 dot_general_p: Primitive = _primitive("dot_general_p")
 conv_general_dilated_p: Primitive = _primitive("conv_general_dilated_p")
@@ -221,6 +222,28 @@ def shard_map_options(eqn: JaxprEqn) -> dict[str, Any]:
 def custom_jvp_primal(eqn: JaxprEqn) -> ClosedJaxpr:
     """The primal program of a `custom_jvp_call` equation."""
     return param(eqn, "call_jaxpr")
+
+
+def custom_vjp_primal(eqn: JaxprEqn) -> ClosedJaxpr:
+    """The primal program of a `custom_vjp_call` equation, over all its inputs.
+
+    JAX 0.10 holds it closed, newer JAX open, its constants leading inputs.
+    """
+    program = param(eqn, "call_jaxpr")
+    if isinstance(program, ClosedJaxpr):
+        return program
+    if not isinstance(program, Jaxpr):
+        raise JaxChanged("the call_jaxpr of custom_vjp_call")
+    return ClosedJaxpr(program, ())
+
+
+def custom_vjp_file(eqn: JaxprEqn) -> str | None:
+    """The file defining a `custom_vjp_call`'s function, where JAX records it."""
+    program = param(eqn, "call_jaxpr")
+    program = program.jaxpr if isinstance(program, ClosedJaxpr) else program
+    where = getattr(getattr(program, "debug_info", None), "func_src_info", None) or ""
+    _, at, place = where.rpartition(" at ")
+    return place.rpartition(":")[0] or None if at else None
 
 
 def sub_jaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:

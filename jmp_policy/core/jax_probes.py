@@ -200,3 +200,17 @@ def _check_eval_jaxpr() -> None:
     _expect(all(ji.name_stack(e) == "probe" for e in closed.jaxpr.eqns), "equation name stacks")
     got = ji.eval_jaxpr(closed.jaxpr, closed.consts, [_X], ji.bind)
     _expect(all(np.array_equal(a, b) for a, b in zip(got, f(_X))), "eval_jaxpr's results")
+
+
+@_probe("custom_vjp_call: its primal program and where its function is")
+def _check_custom_vjp() -> None:
+    @jax.custom_vjp
+    def f(a):
+        return jnp.sin(a)
+
+    f.defvjp(lambda a: (jnp.sin(a), a), lambda a, g: (g * jnp.cos(a),))
+    eqn = _only(_eqns(f, _X), ji.custom_vjp_call_p)
+    primal = ji.custom_vjp_primal(eqn)
+    got = ji.eval_jaxpr(primal.jaxpr, primal.consts, [_X], ji.bind)
+    _expect(np.allclose(got[0], np.sin(_X)), "the primal program of a custom_vjp")
+    _expect(ji.custom_vjp_file(eqn) == __file__, "the file of a custom_vjp's function")

@@ -131,13 +131,13 @@ def _to_matmul_dtype(value: Any) -> np.dtype | None:
     return dtype
 
 
-def _refuse_haiku(policy: Policy, caller: types.FrameType) -> None:
+def _refuse_haiku(policy: Policy, matmul_dtype: np.dtype, caller: types.FrameType) -> None:
     """Haiku's `hk.mixed_precision` casts a module's inputs and parameters but
     runs its products as written: a matmul dtype would be dropped silently."""
     if caller.f_globals.get("__name__", "").startswith("haiku."):
         raise ValueError(
             f"hk.mixed_precision got the policy {policy}, whose matmul dtype "
-            f"(m={policy.matmul_dtype.name}) Haiku cannot apply: it casts inputs and "
+            f"(m={matmul_dtype.name}) Haiku cannot apply: it casts inputs and "
             "parameters, and runs every product as written. Give Haiku the policy "
             "without it (policy.with_matmul_dtype(None)) and run the transformed "
             "function under jmp_policy.autocast(apply, policy), which applies it to "
@@ -239,7 +239,7 @@ class Policy:
             with a matmul dtype, which Haiku would silently drop.
         """
         if self.matmul_dtype is not None:
-            _refuse_haiku(self, sys._getframe(1))
+            _refuse_haiku(self, self.matmul_dtype, sys._getframe(1))
         return _cast_floating_to(x, self.compute_dtype)
 
     def cast_to_output(self, x: T) -> T:

@@ -43,6 +43,9 @@ from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_name
 _ACTIVE_POLICY: contextvars.ContextVar[Policy] = contextvars.ContextVar("policy")
 
 
+_TRACE_KEYS: Iterator[int] = itertools.count(1)
+
+
 @dataclasses.dataclass
 class _Call:
     """What one call of a wrapped function records and needs while it runs."""
@@ -64,7 +67,6 @@ class _Call:
     trace_key: int = dataclasses.field(default_factory=lambda: next(_TRACE_KEYS))
 
 
-_TRACE_KEYS = itertools.count(1)
 _CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("call")
 _LINEN_ENTRIES = ("apply", "init", "init_with_output")
 # Norms whose only variables are parameters; under a half policy they are

@@ -224,7 +224,7 @@ def _rebind_closures(original: nnx.Module, copy: nnx.Module) -> None:
             continue
         parent, rebound = copies[path[:-1]], _rebound(value, twin, set())
         if rebound is not value and isinstance(parent, nnx.Module):
-            object.__setattr__(parent, path[-1], rebound)
+            object.__setattr__(parent, str(path[-1]), rebound)
 
 
 def _rebound(fn: Any, twin: dict[int, Any], seen: set[int]) -> Any:
