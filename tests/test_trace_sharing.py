@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import jmp_policy as jmp
-from jmp_policy.core import autocast, matmul
+from jmp_policy.core import autocast, interpreter, matmul
 
 from helpers import assert_bitwise_equal, lowered_ops
 
@@ -138,8 +138,8 @@ def test_matmul_rewrite_leaves_product_free_nested_programs_as_traced():
         interpreted.append(str(jaxpr))
         return run(jaxpr, *args, **kwargs)
 
-    run = autocast._eval
-    with mock.patch.object(autocast, "_eval", side_effect=record):
+    run = interpreter._eval
+    with mock.patch.object(interpreter, "_eval", side_effect=record):
         rewritten = jax.make_jaxpr(m_bf16)(x, w)
 
     def nested(closed):
@@ -215,7 +215,7 @@ def test_nnx_attention_of_every_layer_shares_one_rewrite():
     x = jax.random.normal(jax.random.key(1), (2, 8, WIDTH))
     model = nnx_attention_stack(3, "p=f32,c=bf16,o=f32,m=bf16")
     autocast.clear_shared_traces()
-    with mock.patch.object(autocast, "_trace_and_eval", wraps=autocast._trace_and_eval) as traced:
+    with mock.patch.object(autocast, "trace_and_eval", wraps=autocast.trace_and_eval) as traced:
         jax.make_jaxpr(lambda x: model(x))(x)
     assert traced.call_count == 1  # Three layers' attention, one rewrite.
 

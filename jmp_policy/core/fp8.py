@@ -44,42 +44,25 @@ import numpy as np
 from jax import lax
 
 from jmp_policy.core import jax_internals as ji
+from jmp_policy.core.dtypes import F32, cast, is_float, widest
 from jmp_policy.core.matmul import (
-    F32,
     _accumulate_in_float32,
     call_reverse_mode_only,
-    cast,
     cpu_form_in_use,
     dims_key,
     dot_product,
     float_dot_operands,
-    is_float,
     shared_factory,
-    widest,
 )
+from jmp_policy.core.policy import check_scaling
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 # The largest finite values: what a tensor's amax is scaled to (at most).
 E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
 E5M2_MAX = float(jnp.finfo(E5M2).max)  # 57344
-SCALINGS = ("tensor", "rowwise")
 
 Dims = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
-
-
-def check_scaling(scaling: Any, name: str = "scaling") -> str:
-    """`scaling` if it is one of `SCALINGS`.
-
-    Raises:
-      ValueError: naming `name`, the value and the accepted ones.
-    """
-    if not (isinstance(scaling, str) and scaling in SCALINGS):
-        raise ValueError(
-            f"{name} must be one of {', '.join(map(repr, SCALINGS))} (one FP8 scale per "
-            f"tensor, or one per row along the non-contracting dimensions), got {scaling!r}."
-        )
-    return scaling
 
 
 def fp8_scale(x: jax.Array, fp8_max: float, axes: Sequence[int] | None = None) -> jax.Array:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -22,34 +22,10 @@ import numpy as np
 from jax import lax
 
 from jmp_policy.core import jax_internals as ji
+from jmp_policy.core.dtypes import F32, HALF_DTYPES, cast, is_float, widest
 
-F32 = np.dtype(np.float32)
-_HALF_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 # `product(lhs, rhs, preferred_element_type)`: a bilinear dot or convolution.
 Product = Callable[[Any, Any, Any], Any]
-
-
-def is_float(x: Any) -> bool:
-    """Whether `x` is a real floating array (jax, numpy or a tracer)."""
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def cast(x: Any, dtype: np.dtype) -> Any:
-    """`x` in `dtype`: as is if it already is, a numpy constant stays a constant."""
-    if x.dtype == dtype:
-        return x
-    if isinstance(x, (np.ndarray, np.generic)):
-        return np.asarray(x, dtype)  # A constant: no convert op.
-    return lax.convert_element_type(x, dtype)
-
-
-def widest(dtypes: Iterable[np.dtype]) -> np.dtype:
-    """The widest floating dtype; bfloat16 and float16 meet at float32."""
-    dtypes = {np.dtype(d) for d in dtypes}
-    wide = max(dtypes, key=lambda d: d.itemsize)
-    if sum(d.itemsize == wide.itemsize for d in dtypes) > 1:
-        return F32 if wide.itemsize < 4 else wide
-    return wide
 
 
 # XLA:CPU (jaxlib 0.10.2) rejects some bf16 x bf16 -> f32 dots: "UNIMPLEMENTED:
@@ -95,7 +71,7 @@ def dot_product(dimension_numbers: Any, precision: Any = None, out_sharding: Any
             # FP8 operands go into the dot as they are: an algorithm preset
             # (F16_F16_F32) would have JAX convert them to its input type.
             return dot(a, b, pet, _without_algorithm(precision))
-        half_to_f32 = a.dtype in _HALF_DTYPES and pet == F32 and out_sharding is None
+        half_to_f32 = a.dtype in HALF_DTYPES and pet == F32 and out_sharding is None
         if not (half_to_f32 and _CPU_BF16_DOT_WORKAROUND):
             return dot(a, b, pet)
         cpu = functools.partial(_cpu_dot, dims=dims, precision=_without_algorithm(precision))
@@ -315,13 +291,13 @@ def _half_compute_dtype(compute_dtype: Any, lhs: jax.Array, rhs: jax.Array) -> n
     """`compute_dtype` checked, or by default the operands' half dtype (else bfloat16)."""
     if compute_dtype is None:
         # float16 operands stay float16: bfloat16 would drop 3 mantissa bits.
-        halves = [x.dtype for x in (lhs, rhs) if x.dtype in _HALF_DTYPES]
-        return np.dtype(halves[0]) if halves else _HALF_DTYPES[0]
+        halves = [x.dtype for x in (lhs, rhs) if x.dtype in HALF_DTYPES]
+        return np.dtype(halves[0]) if halves else HALF_DTYPES[0]
     try:
         dtype = np.dtype(compute_dtype)
     except TypeError:
         dtype = None
-    if dtype not in _HALF_DTYPES:
+    if dtype not in HALF_DTYPES:
         raise TypeError(
             f"compute_dtype must be jnp.bfloat16, jnp.float16 or None (the operands' "
             f"half dtype, else bfloat16), got {compute_dtype!r}."
@@ -464,55 +440,3 @@ def half_conv_general_dilated(
     out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
     compute = _half_compute_dtype(compute_dtype, lhs, rhs)
     return accumulating_product(product, lhs, rhs, compute, out_dtype)
-
-
-_FULL_PRECISION_ALGORITHMS = frozenset(
-    getattr(lax.DotAlgorithmPreset, name) for name in ("F32_F32_F32", "F64_F64_F64")
-)
-
-
-def asks_full_precision(precision: Any) -> bool:
-    """Whether the author of a product asked for float32 accuracy: `Precision.HIGHEST`
-    (for both operands) or a float32 dot algorithm. A policy leaves such a product as written.
-
-    >>> from jax import lax
-    >>> asks_full_precision(lax.Precision.HIGHEST), asks_full_precision("highest")
-    (True, True)
-    >>> asks_full_precision(None), asks_full_precision((lax.Precision.HIGHEST, None))
-    (False, False)
-    """
-    if isinstance(precision, lax.DotAlgorithmPreset):
-        return precision in _FULL_PRECISION_ALGORITHMS
-    parts = precision if isinstance(precision, (tuple, list)) else (precision,)
-    try:
-        return all(p is not None and lax.Precision(p) == lax.Precision.HIGHEST for p in parts)
-    except (ValueError, TypeError):  # A DotAlgorithm, or what lax itself would refuse.
-        return False
-
-
-@functools.cache
-def matmul_dot_general(
-    matmul_dtype: np.dtype | None, fp8_scaling: str = "tensor"
-) -> Callable | None:
-    """The `dot_general` a policy's `matmul_dtype` asks for (None: the layers' own).
-
-    `fp8_scaling` (`"tensor"` or `"rowwise"`) applies to an FP8 matmul dtype.
-    A product the layer asks for at full precision (`precision=HIGHEST`) runs
-    as `lax.dot_general`. One object per argument pair, so that modules given
-    it compare equal across calls.
-    """
-    if matmul_dtype is None:
-        return None
-    if np.dtype(matmul_dtype) == np.dtype(jnp.float8_e4m3fn):
-        from jmp_policy.core.fp8 import fp8_dot_general  # fp8 builds on this module.
-
-        product = functools.partial(fp8_dot_general, scaling=fp8_scaling)
-    else:
-        product = functools.partial(half_dot_general, compute_dtype=np.dtype(matmul_dtype))
-
-    def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                    **kwargs):  # fmt: skip
-        run = lax.dot_general if asks_full_precision(precision) else product
-        return run(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
-
-    return dot_general

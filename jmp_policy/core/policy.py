@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy.core.fp8 import check_scaling
+from jmp_policy.core.dtypes import is_float
 
 T = TypeVar("T")
 
@@ -63,6 +63,24 @@ _ACCEPTED_MATMUL = ", ".join(
 )
 _ACCEPTED_DTYPES = ", ".join([*_NAME_TO_DTYPE, "half"])
 _ACCEPTED_KEYS = ", ".join(_KEYS)
+
+
+# How an FP8 matmul dtype is scaled: one scale per tensor, or per row.
+SCALINGS = ("tensor", "rowwise")
+
+
+def check_scaling(scaling: Any, name: str = "scaling") -> str:
+    """`scaling` if it is one of `SCALINGS`.
+
+    Raises:
+      ValueError: naming `name`, the value and the accepted ones.
+    """
+    if not (isinstance(scaling, str) and scaling in SCALINGS):
+        raise ValueError(
+            f"{name} must be one of {', '.join(map(repr, SCALINGS))} (one FP8 scale per "
+            f"tensor, or one per row along the non-contracting dimensions), got {scaling!r}."
+        )
+    return scaling
 
 
 def half_dtype() -> type[Any]:
@@ -148,8 +166,7 @@ def _refuse_haiku(policy: Policy, matmul_dtype: np.dtype, caller: types.FrameTyp
 def _is_float_array(x: Any) -> bool:
     # As jmp: jax arrays (tracers included) and numpy arrays. Numpy scalars
     # (`np.float32(3.0)`) and Python floats are left alone, as jmp leaves them.
-    # PRNG keys, ints and bools are not floating.
-    return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)
+    return isinstance(x, (jax.Array, np.ndarray)) and is_float(x)
 
 
 def _is_weak(x: Any) -> bool:

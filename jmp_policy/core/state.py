@@ -41,7 +41,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jmp_policy.core.matmul import cast, is_float
+from jmp_policy.core.dtypes import cast, is_float
 
 # A pytree prefix of a function's result: True (state), False (a result),
 # None (the rule decides), or a container of those.

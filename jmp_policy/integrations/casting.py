@@ -34,20 +34,13 @@ from jax import lax
 
 from jmp_policy.core import jax_internals
 from jmp_policy.core.autocast import matmuls_in
-from jmp_policy.core.matmul import asks_full_precision, matmul_dot_general
+from jmp_policy.core.dtypes import is_complex
+from jmp_policy.core.matmul_dtype import asks_full_precision, matmul_dot_general
 from jmp_policy.core.policy import Policy
 
 # The dense layers whose `dot_general` hook takes the matmul dtype; `*_cls`
 # factories win over the injected function in Flax, so they are cleared.
 _DENSE = (nn.Dense, nn.DenseGeneral, nnx.Linear, nnx.LinearGeneral)
-
-
-def is_complex(dtype: Any) -> bool:
-    """Whether `dtype` is a complex dtype (False for None or a non-dtype)."""
-    try:
-        return dtype is not None and np.issubdtype(np.dtype(dtype), np.complexfloating)
-    except TypeError:
-        return False
 
 
 def keeps_its_dtypes(module: Any) -> bool:

@@ -32,8 +32,9 @@ import numpy as np
 from flax import nnx
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.autocast import matmul_scope, matmuls_in
-from jmp_policy.core.matmul import is_float
+from jmp_policy.core.autocast import matmuls_in
+from jmp_policy.core.dtypes import is_float
+from jmp_policy.core.interpreter import matmul_scope
 from jmp_policy.core.policy import Policy, get_policy
 from jmp_policy.core.state import ReturnsState, cast_results
 from jmp_policy.integrations import casting

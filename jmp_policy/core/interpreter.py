@@ -1,0 +1,405 @@
+"""The jaxpr interpreter under `autocast` and `matmuls_in`: a traced program run
+again equation by equation, each operation's precision chosen by `Rules`.
+
+`trace_and_eval(fn, args, rules)` traces `fn` and evaluates its program with
+the rules: products (`dot_general`, convolutions) through `matmul`'s and
+`fp8`'s products, the float32 and promote sets as named, anything else as
+written (its floating inputs cast back to the dtypes the traced program had).
+Nested programs are rewritten for the inputs they get: calls as if inlined,
+loops and branches with their original carry and branch types, checkpointed,
+`custom_jvp` and `custom_vjp` functions inside a new one of the same kind,
+`shard_map` bodies inside a new `shard_map`. `matmul_scope` marks products
+that take another matmul dtype, read back from the name stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import os
+import re
+import sys
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jmp_policy.core import jax_internals as ji
+from jmp_policy.core.dtypes import F32 as _F32
+from jmp_policy.core.dtypes import cast, is_complex, is_float, widest
+from jmp_policy.core.fp8 import E4M3 as _E4M3
+from jmp_policy.core.fp8 import fp8_product
+from jmp_policy.core.matmul import accumulating_dot, accumulating_product, product_of
+from jmp_policy.core.matmul_dtype import asks_full_precision
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Which operations run in which precision (see `autocast` for the sets)."""
+
+    compute_dtype: np.dtype
+    half: frozenset[str]
+    float32: frozenset[str]
+    promote: frozenset[str]
+    # "vjp": products through the custom VJP; "plain": lax products with
+    # float32 accumulation (inside JVP rules, whose tangent products JAX must
+    # transpose itself).
+    products: str = "vjp"
+    # The policy's matmul dtype: every dot_general takes its product (None:
+    # the compute dtype, as above).
+    matmul_dtype: np.dtype | None = None
+    # Under an FP8 matmul dtype: "tensor" or "rowwise" scaling.
+    fp8_scaling: str = "tensor"
+    # Whether `matmul_scope` markers in a product's name stack choose its
+    # matmul dtype (`matmul_dtype` where there is none); a product whose
+    # scope says None runs as written.
+    scoped: bool = False
+
+    @property
+    def only_products(self) -> bool:
+        """Only products are rewritten (`matmuls_in`); every other op runs as written."""
+        return not (self.float32 or self.promote)
+
+
+def _as_original(eqn, invals):
+    """Casts floating inputs back to the dtypes the traced program had."""
+    return [
+        cast(x, v.aval.dtype) if is_float(x) and x.dtype != v.aval.dtype else x
+        for x, v in zip(invals, eqn.invars)
+    ]
+
+
+def _outputs_as(outs, dtypes):
+    return [cast(o, d) if is_float(o) else o for o, d in zip(outs, dtypes)]
+
+
+def _eval(jaxpr: ji.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: Rules) -> list[Any]:
+    return ji.eval_jaxpr(jaxpr, consts, args, functools.partial(_apply, rules=rules))
+
+
+def _rewrite_closed(closed, rules, in_dtypes, out_dtypes=None):
+    """The autocast version of a closed jaxpr, for inputs of `in_dtypes`.
+
+    With `out_dtypes`, the outputs are cast to them (loop carries and
+    branches must keep their types); otherwise they are what autocast makes.
+    """
+
+    @_in_scope
+    def fn(*args):
+        outs = _eval(closed.jaxpr, closed.consts, args, rules)
+        return outs if out_dtypes is None else _outputs_as(outs, out_dtypes)
+
+    specs = [
+        jax.ShapeDtypeStruct(a.shape, d, weak_type=a.weak_type)
+        for a, d in zip(closed.in_avals, in_dtypes)
+    ]
+    return jax.make_jaxpr(fn)(*specs)
+
+
+def _call_rule(eqn, invals, rules):
+    # jit and closed_call: rewritten as if inlined, for the inputs they get.
+    name, program = ji.call_program(eqn)
+    closed = _rewrite_closed(program, rules, [x.dtype for x in invals])
+    return ji.bind(eqn, invals, ji.replaced_params(eqn, **{name: closed}))
+
+
+def _control_flow_rule(eqn, invals, rules):
+    def rewrite(closed):
+        in_dtypes, out_dtypes = ([a.dtype for a in x] for x in (closed.in_avals, closed.out_avals))
+        return _rewrite_closed(closed, rules, in_dtypes, out_dtypes)
+
+    programs = {
+        name: tuple(map(rewrite, value)) if isinstance(value, tuple) else rewrite(value)
+        for name, value in ji.control_flow_programs(eqn).items()
+    }
+    return ji.bind(eqn, _as_original(eqn, invals), ji.replaced_params(eqn, **programs))
+
+
+def _remat_rule(eqn, invals, rules):
+    jaxpr = ji.remat_body(eqn)
+
+    @_in_scope
+    def body(*args):
+        return _eval(jaxpr, (), args, rules)
+
+    return jax.checkpoint(body, **ji.remat_options(eqn))(*invals)
+
+
+def _custom_jvp_rule(eqn, invals, rules):
+    # Inputs take the dtypes the JVP rule was written for; outputs are free.
+    args = _as_original(eqn, invals)
+    call = ji.custom_jvp_primal(eqn)
+    if not all(is_float(a) for a in (*call.in_avals, *call.out_avals)):
+        return ji.bind(eqn, args)  # Ints would need float0 tangents: run as written.
+
+    @_in_scope
+    def primal(*xs):
+        return _eval(call.jaxpr, call.consts, xs, rules)
+
+    out_dtypes = [o.dtype for o in jax.eval_shape(primal, *args)]
+    f = jax.custom_jvp(primal)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        # The original rule, traced and autocast, so that e.g. softmax's
+        # exp and sum also run in float32 under `jax.grad`.
+        def jvp(primals, tangents):
+            return jax.jvp(lambda *xs: ji.bind(eqn, xs), primals, tangents)
+
+        jvp_rules = dataclasses.replace(rules, products="plain")
+        out, out_dot = trace_and_eval(jvp, (tuple(primals), tuple(tangents)), jvp_rules)
+        return _outputs_as(out, out_dtypes), _outputs_as(out_dot, out_dtypes)
+
+    return f(*args)
+
+
+# jmp_policy's own products (half and FP8) are `custom_vjp`s already decided.
+_OWN_PRODUCTS = frozenset(
+    os.path.abspath(str(sys.modules[f.__module__].__file__))
+    for f in (accumulating_dot, fp8_product)
+)
+
+
+def _custom_vjp_rule(eqn, invals, rules):
+    # A user's `custom_vjp`: its forward rewritten; its backward the user's
+    # rule, rewritten too, from the inputs as residuals (it recomputes the
+    # forward, as `jax.checkpoint` would).
+    args = _as_original(eqn, invals)
+    program = ji.custom_vjp_primal(eqn)
+    file = ji.custom_vjp_file(eqn)
+    if (
+        (file is not None and os.path.abspath(file) in _OWN_PRODUCTS)
+        or not all(is_float(a) for a in (*program.in_avals, *program.out_avals))
+        or not _contains(program.jaxpr, rules.half)
+    ):
+        return ji.bind(eqn, args)  # Decided, integer-valued, or nothing to rewrite.
+    out_dtypes = [o.dtype for o in program.out_avals]
+
+    @_in_scope
+    def primal(*xs):
+        return _outputs_as(_eval(program.jaxpr, program.consts, xs, rules), out_dtypes)
+
+    def original_vjp(xs, cts):
+        return jax.vjp(lambda *a: ji.bind(eqn, a), *xs)[1](list(cts))
+
+    f = jax.custom_vjp(primal)
+    f.defvjp(
+        lambda *xs: (primal(*xs), xs),
+        lambda xs, cts: tuple(trace_and_eval(original_vjp, (xs, tuple(cts)), rules)),
+    )
+    return f(*args)
+
+
+def _shard_map_rule(eqn, invals, rules):
+    # The per-device program is rewritten inside a new `shard_map` over the
+    # same mesh and specs; its inputs and results keep their dtypes.
+    jaxpr = ji.shard_map_body(eqn)
+    out_dtypes = [ji.shaped(v).dtype for v in jaxpr.outvars]
+
+    @_in_scope
+    def body(*args):
+        return tuple(_outputs_as(_eval(jaxpr, (), args, rules), out_dtypes))
+
+    return list(jax.shard_map(body, **ji.shard_map_options(eqn))(*_as_original(eqn, invals)))
+
+
+_HIGHER_ORDER = {p: _control_flow_rule for p in ji.CONTROL_FLOW_JAXPR_PARAMS}
+_HIGHER_ORDER.update({p: _call_rule for p in ji.CALL_JAXPR_PARAM})
+_HIGHER_ORDER[ji.remat_p] = _remat_rule
+_HIGHER_ORDER[ji.custom_jvp_call_p] = _custom_jvp_rule
+_HIGHER_ORDER[ji.custom_vjp_call_p] = _custom_vjp_rule
+
+
+# `matmul_scope` markers: a module (or any code) whose products take another
+# matmul dtype than the code around it, read back from the name stack.
+_SCOPE = "jmp_policy_matmul_"
+_SCOPE_NAME = re.compile(_SCOPE + r"(\w+)")
+# The name stack outside the program being traced: JAX traces nested programs
+# (loop bodies, checkpointed and custom_jvp functions) with an empty one.
+_OUTER_STACK: contextvars.ContextVar[str] = contextvars.ContextVar("outer_stack", default="")
+
+
+def _name_stack() -> str:
+    return f"{_OUTER_STACK.get()}/{ji.current_name_stack()}"
+
+
+def _in_scope(fn: Callable) -> Callable:
+    """`fn`, traced later, seeing the name stack of where it was made as its outer one."""
+    outer = _name_stack()
+
+    @functools.wraps(fn)
+    def inner(*args):
+        token = _OUTER_STACK.set(outer)
+        try:
+            return fn(*args)
+        finally:
+            _OUTER_STACK.reset(token)
+
+    return inner
+
+
+def matmul_scope(
+    matmul_dtype: Any, fp8_scaling: str = "tensor"
+) -> contextlib.AbstractContextManager:
+    """Marks the products traced inside it for `matmuls_in(..., scoped=True)`.
+
+    They take `matmul_dtype` (None: as written; FP8 with `fp8_scaling`)
+    whatever the code around them takes.
+    """
+    name = "none" if matmul_dtype is None else np.dtype(matmul_dtype).name
+    return jax.named_scope(f"{_SCOPE}{name}_{fp8_scaling}")
+
+
+def _scoped_matmul_dtype(rules: Rules) -> tuple[np.dtype | None, str]:
+    """The innermost scope's `(matmul dtype, FP8 scaling)`, else the rules' own."""
+    names = _SCOPE_NAME.findall(_name_stack())
+    if not names:
+        return rules.matmul_dtype, rules.fp8_scaling
+    dtype, _, scaling = names[-1].rpartition("_")
+    return (None if dtype == "none" else np.dtype(dtype)), scaling
+
+
+def _matmul_dtype_product(eqn, invals, rules):
+    """A dot_general under the policy's matmul dtype, or None where that does not apply."""
+    if rules.scoped:
+        m, scaling = _scoped_matmul_dtype(rules)
+    else:
+        m, scaling = rules.matmul_dtype, rules.fp8_scaling
+    if m is None or eqn.primitive is not ji.dot_general_p:
+        return None  # Convolutions run in the compute dtype, also under FP8.
+    lhs, rhs = invals
+    product, out_dtype = product_of(eqn), eqn.outvars[0].aval.dtype
+    if rules.products == "vjp":
+        if m == _E4M3:
+            p = ji.dot_params(eqn)
+            return fp8_product(lhs, rhs, p.dimension_numbers, out_dtype, scaling,
+                               p.precision, p.out_sharding)  # fmt: skip
+        return _accumulating(eqn, product, lhs, rhs, m, out_dtype)
+    if m == _E4M3:
+        # Inside a JVP rule JAX transposes the products itself, which an
+        # unscaled FP8 cast cannot survive: the compute dtype there.
+        return None
+    return cast(product(cast(lhs, m), cast(rhs, m), _F32), out_dtype)
+
+
+def _product_rule(eqn, invals, rules):
+    out = _matmul_dtype_product(eqn, invals, rules)
+    if out is not None:
+        return out
+    if rules.scoped:
+        return ji.bind(eqn, _as_original(eqn, invals))  # No matmul dtype here.
+    lhs, rhs = invals
+    c, out_dtype = rules.compute_dtype, eqn.outvars[0].aval.dtype
+    if out_dtype == c:
+        # The program asked for a half result: JAX's own backward is half too.
+        return ji.bind(eqn, [cast(lhs, c), cast(rhs, c)])
+    product = product_of(eqn)
+    if rules.products == "plain" or c.itemsize >= _F32.itemsize:
+        return cast(product(cast(lhs, c), cast(rhs, c), _F32), out_dtype)
+    return _accumulating(eqn, product, lhs, rhs, c, out_dtype)
+
+
+def _accumulating(eqn, product, lhs, rhs, compute_dtype, out_dtype):
+    """`accumulating_product`; a dot through `accumulating_dot`, traced once per signature."""
+    if eqn.primitive is ji.dot_general_p:
+        p = ji.dot_params(eqn)
+        return accumulating_dot(lhs, rhs, p.dimension_numbers, p.precision,
+                                p.out_sharding, compute_dtype, out_dtype)  # fmt: skip
+    return accumulating_product(product, lhs, rhs, compute_dtype, out_dtype)
+
+
+# Whether a program (or one nested in it) has an equation of the given primitives.
+_CONTAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _contains(jaxpr: ji.Jaxpr, names: frozenset[str]) -> bool:
+    """Whether `jaxpr` may run one of `names` (a `custom_jvp` may, in its rule)."""
+    names = names | {"custom_jvp_call"}
+    known = _CONTAINS.setdefault(jaxpr, {})
+    if names not in known:
+        known[names] = any(
+            e.primitive.name in names or any(_contains(j, names) for j in ji.sub_jaxprs(e))
+            for e in jaxpr.eqns
+        )
+    return known[names]
+
+
+def _apply(eqn, invals, rules):
+    prim, name = eqn.primitive, eqn.primitive.name
+    nested = prim in _HIGHER_ORDER or ji.is_shard_map(eqn)
+    if (
+        nested
+        and rules.only_products
+        and prim is not ji.custom_jvp_call_p
+        and not any(_contains(j, rules.half) for j in ji.sub_jaxprs(eqn))
+    ):
+        # Under `matmuls_in`, a call or loop with no product in it runs as
+        # traced: rewriting would change nothing, and JAX's caches (keyed on
+        # the nested program) then serve every layer. A custom_jvp's rule may
+        # hold products its primal program does not show: it is rewritten.
+        return ji.bind(eqn, _as_original(eqn, invals))
+    if prim in _HIGHER_ORDER:
+        return _HIGHER_ORDER[prim](eqn, invals, rules)
+    if ji.is_shard_map(eqn):
+        return _shard_map_rule(eqn, invals, rules)
+    if prim is ji.convert_element_type_p:
+        x, new_dtype = invals[0], ji.new_dtype(eqn)
+        return x if x.dtype == new_dtype else ji.bind(eqn, invals)
+    floats = [i for i, x in enumerate(invals) if is_float(x)]
+    if not floats or not (name in rules.half or name in rules.float32 or name in rules.promote):
+        return ji.bind(eqn, _as_original(eqn, invals))  # Unknown: run as written.
+    if name in rules.half:
+        full = asks_full_precision(ji.product_precision(eqn))  # The author's choice wins.
+        if len(invals) == 2 and floats and is_float(eqn.outvars[0].aval) and not full:
+            if len(floats) == 1 and not is_complex(invals[1 - floats[0]]):
+                # An integer or boolean operand (a head mask) joins the other's
+                # dtype, as JAX's promotion gives it in a half config.
+                other = invals[floats[0]].dtype
+                invals = [x if is_float(x) else cast(x, other) for x in invals]
+            return _product_rule(eqn, invals, rules)
+        return ji.bind(eqn, _as_original(eqn, invals))
+    strong = [invals[i].dtype for i in floats if not eqn.invars[i].aval.weak_type]
+    target = widest(strong or [invals[i].dtype for i in floats])
+    if name in rules.float32:
+        target = _F32 if target.itemsize < _F32.itemsize else target
+    args = [cast(x, target) if i in floats else x for i, x in enumerate(invals)]
+    return ji.bind(eqn, args)
+
+
+def trace_and_eval(fn, args, rules):
+    """Traces `fn(*args)` and runs it again under `rules`; array leaves are traced."""
+    leaves, treedef = jax.tree.flatten(args)
+    arrays = (jax.Array, np.ndarray, np.generic)
+    dynamic = [i for i, x in enumerate(leaves) if isinstance(x, arrays)]
+
+    def flat_fn(*values):
+        full = list(leaves)
+        for i, x in zip(dynamic, values):
+            full[i] = x
+        return fn(*jax.tree.unflatten(treedef, full))
+
+    # Only array results go through the traced program; the others (an
+    # Equinox module's activation function, a Python scalar) are constants of
+    # the trace and come back as they were returned.
+    out_leaves: list[Any] = []
+    out_tree: list[Any] = []
+
+    def traced_fn(*values):
+        results, tree = jax.tree.flatten(flat_fn(*values))
+        # The arrays are tracers of this trace: only their places are kept.
+        out_leaves[:] = [_TRACED if isinstance(x, arrays) else x for x in results]
+        out_tree[:] = [tree]
+        return [x for x in results if isinstance(x, arrays)]
+
+    values = [leaves[i] for i in dynamic]
+    closed = jax.make_jaxpr(traced_fn)(*values)
+    outs = iter(_eval(closed.jaxpr, closed.consts, values, rules))
+    full = [next(outs) if x is _TRACED else x for x in out_leaves]
+    return jax.tree.unflatten(out_tree[0], full)
+
+
+_TRACED = object()  # The place of an array result in `trace_and_eval`.

@@ -1,0 +1,68 @@
+"""The product a policy's matmul dtype asks for, and the author's precision that wins.
+
+Above both kinds of product (`matmul`'s half products, `fp8`'s FP8 ones):
+`matmul_dot_general` picks one for a matmul dtype, `asks_full_precision`
+says which products the author keeps in float32 (`precision=HIGHEST`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jmp_policy.core.fp8 import fp8_dot_general
+from jmp_policy.core.matmul import half_dot_general
+
+_FULL_PRECISION_ALGORITHMS = frozenset(
+    getattr(lax.DotAlgorithmPreset, name) for name in ("F32_F32_F32", "F64_F64_F64")
+)
+
+
+def asks_full_precision(precision: Any) -> bool:
+    """Whether the author of a product asked for float32 accuracy: `Precision.HIGHEST`
+    (for both operands) or a float32 dot algorithm. A policy leaves such a product as written.
+
+    >>> from jax import lax
+    >>> asks_full_precision(lax.Precision.HIGHEST), asks_full_precision("highest")
+    (True, True)
+    >>> asks_full_precision(None), asks_full_precision((lax.Precision.HIGHEST, None))
+    (False, False)
+    """
+    if isinstance(precision, lax.DotAlgorithmPreset):
+        return precision in _FULL_PRECISION_ALGORITHMS
+    parts = precision if isinstance(precision, (tuple, list)) else (precision,)
+    try:
+        return all(p is not None and lax.Precision(p) == lax.Precision.HIGHEST for p in parts)
+    except (ValueError, TypeError):  # A DotAlgorithm, or what lax itself would refuse.
+        return False
+
+
+@functools.cache
+def matmul_dot_general(
+    matmul_dtype: np.dtype | None, fp8_scaling: str = "tensor"
+) -> Callable | None:
+    """The `dot_general` a policy's `matmul_dtype` asks for (None: the layers' own).
+
+    `fp8_scaling` (`"tensor"` or `"rowwise"`) applies to an FP8 matmul dtype.
+    A product the layer asks for at full precision (`precision=HIGHEST`) runs
+    as `lax.dot_general`. One object per argument pair, so that modules given
+    it compare equal across calls.
+    """
+    if matmul_dtype is None:
+        return None
+    if np.dtype(matmul_dtype) == np.dtype(jnp.float8_e4m3fn):
+        product = functools.partial(fp8_dot_general, scaling=fp8_scaling)
+    else:
+        product = functools.partial(half_dot_general, compute_dtype=np.dtype(matmul_dtype))
+
+    def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                    **kwargs):  # fmt: skip
+        run = lax.dot_general if asks_full_precision(precision) else product
+        return run(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
+
+    return dot_general
