@@ -1676,3 +1676,61 @@ def test_path_rules_reach_a_module_applied_by_hand():
     plain = with_policy(_TiedLM().apply, "mixed_bfloat16")
     dots = contractions(jax.jit(plain).lower(variables, ids).as_text())
     assert [d.operand_types for d in dots] == [("bf16", "bf16")] * 2
+
+
+class _ParamEinsum(nn.Module):
+    """gemma's `Einsum`: `dtype` is its parameter's dtype; it multiplies it as stored."""
+
+    shape: tuple
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, eqn, x):
+        w = self.param("w", nn.initializers.normal(1.0), self.shape, self.dtype)
+        return jnp.einsum(eqn, x, w)
+
+
+class _ParamLM(nn.Module):
+    """gemma's pattern: its `Embedder` and `Einsum`s make their parameters in `dtype`."""
+
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, ids):
+        table = self.param("embedding", nn.initializers.normal(1.0), (16, 8), self.dtype)
+        x = table[ids]
+        h = _ParamEinsum((8, 16), dtype=self.dtype)("btd,df->btf", x)
+        x = x + _ParamEinsum((16, 8), dtype=self.dtype)("btf,fd->btd", jax.nn.gelu(h))
+        return jnp.einsum("btd,vd->btv", x, table)
+
+
+@jax.numpy_dtype_promotion("standard")  # As gemma runs (a float32 rule meets bf16).
+def test_a_layer_that_makes_its_parameters_in_dtype_computes_as_its_own_half_config():
+    # gemma's layers read `dtype` as their parameters' dtype and compute with
+    # them as stored: the policy's parameters are read in the dtype the
+    # model makes them in under it, so every product is bf16 as in gemma's
+    # own bf16 config, while they are stored (and trained) in float32.
+    model, ids = _ParamLM(), jnp.arange(12).reshape(2, 6) % 16
+    variables = with_policy(model.init, "mixed_bfloat16")(jax.random.key(1), ids)
+    assert _dtypes(variables) == {F32}
+    apply = with_policy(model.apply, "mixed_bfloat16")
+    dots = contractions(jax.jit(apply).lower(variables, ids).as_text())
+    assert [d.operand_types for d in dots] == [("bf16", "bf16")] * 3
+    grad = jax.jit(jax.grad(lambda v: apply(v, ids).sum()))
+    assert _dtypes(grad(variables)) == {F32}
+    # A model never inited through the policy (a checkpoint's parameters; its
+    # `dtype` field differs, so nothing recorded by the init above serves it).
+    other = _ParamLM(dtype=jnp.float16)
+    loaded = model.init(jax.random.key(1), ids)
+    again = with_policy(other.apply, "mixed_bfloat16")
+    assert contractions(jax.jit(again).lower(loaded, ids).as_text()) == dots
+    want = model.apply(variables, ids)
+    hand = jax.tree.map(lambda a: a.astype(jnp.bfloat16), variables)
+    hand_err = float(jnp.max(jnp.abs(_ParamLM(dtype=jnp.bfloat16).apply(hand, ids) - want)))
+    err = float(jnp.max(jnp.abs(apply(variables, ids) - want)))
+    assert apply(variables, ids).dtype == F32 and err <= 1.5 * hand_err, (err, hand_err)
+    # A rule keeps a layer's parameters, and so its product, in float32 (and
+    # the float32 residual it feeds the tied head).
+    ruled = with_policy(model.apply, "mixed_bfloat16", rules={"_ParamEinsum_1": "f32"})
+    dots = contractions(jax.jit(ruled).lower(variables, ids).as_text())
+    assert [d.operand_types for d in dots] == [("bf16", "bf16"), ("f32", "f32"), ("f32", "f32")]

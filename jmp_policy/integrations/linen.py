@@ -22,12 +22,15 @@ import functools
 import inspect
 import itertools
 import re
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
+import flax.linen.module
 import flax.linen.transforms
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -393,6 +396,17 @@ def with_policy(
     module that owns it (its rule's, else its parent's); the other
     collections (a decode cache) are made under the policy.
 
+    `apply` reads each parameter in the dtype the model makes it in under the
+    policy, where that is narrower than its stored dtype: a layer that reads
+    `dtype` as its parameters' dtype and computes with them as they are
+    (Google DeepMind's `gemma`: `self.param(..., self.dtype)`, then
+    `jnp.einsum(x, w)`) computes in bfloat16 as its own bf16 config does, its
+    parameters stored (and trained) in the param dtype. Flax's layers make
+    theirs in `param_dtype` and cast where they compute: read as stored. The
+    dtypes come from `with_policy(model.init, ...)` (its own draws), else from
+    one abstract `init` when a model, policy and call structure are first
+    seen (a checkpoint loaded without `init`).
+
     The cast rule is that of the model's own half-precision config (every
     layer's `dtype` set by hand): layers cast what they compute with (Flax's
     layers cast their inputs and parameters to `dtype` inside), and no module
@@ -536,6 +550,19 @@ def with_policy(
     def run(first, args, kwargs):
         return target(first, *args, **kwargs)
 
+    model: nn.Module = target.__self__  # type: ignore[attr-defined]  # A bound linen method.
+    made_key = (policy, tuple(rule_set.rules))
+
+    def read_as_made(variables: Any, args: tuple, kwargs: dict) -> Any:
+        """`variables` with each parameter in the dtype the model makes it in under the policy."""
+        if not isinstance(variables, Mapping) or "params" not in variables:
+            return variables
+        dtypes = _MADE.get(model, made_key, args, kwargs)
+        if dtypes is None:
+            dtypes = _made_dtypes(model, policy, interceptor, args, kwargs)
+            _MADE.put(model, made_key, args, kwargs, dtypes)
+        return {**variables, "params": _read_in(variables["params"], dtypes)}
+
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         args, kwargs = (*bound_args, *args), {**bound_kwargs, **kwargs}
@@ -549,6 +576,8 @@ def with_policy(
             if call.rewrite
             else run
         )
+        if entry == "apply":
+            first = read_as_made(first, args, kwargs)
         with _calling(policy, call, interceptor):
             try:
                 result = call_fn(first, args, kwargs)
@@ -569,6 +598,9 @@ def with_policy(
                 # Arguments only the policy's model takes (a half cache):
                 # the policy's own draws.
                 plain = result
+            made = result if entry == "init" else result[1]
+            if isinstance(made, Mapping) and "params" in made:
+                _MADE.put(model, made_key, args, kwargs, _dtypes_by_path(made["params"]))
             variables = _init_variables(entry, result, plain, call.owners, policy)
             return variables if entry == "init" else (to_output(result[0], given), variables)
         if _returns_collections(kwargs):
@@ -577,6 +609,125 @@ def with_policy(
         return to_output(result, given)
 
     return wrapped
+
+
+# What `apply` takes that `init` does not.
+_APPLY_ONLY = ("mutable", "rngs", "capture_intermediates")
+
+
+def _made_dtypes(
+    model: nn.Module, policy: Policy, interceptor: Callable, args: tuple, kwargs: dict
+) -> dict[str, Any]:
+    """The dtype each parameter is made in under the policy, by its path.
+
+    That is the model's own half config: a layer that reads `dtype` as its
+    parameters' dtype (gemma's, whose `init` makes every parameter in it)
+    makes them in the compute dtype and computes with them so; Flax's layers
+    make them in `param_dtype`. Found by running `model.init` under the
+    policy abstractly (nothing is computed), out of sight of the caller's own
+    method interceptors; empty where `init` does not take these arguments.
+    """
+    kwargs = {k: v for k, v in kwargs.items() if k not in _APPLY_ONLY}
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    at = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+
+    def init(*arrays: Any) -> Any:
+        full = list(leaves)
+        for i, x in zip(at, arrays):
+            full[i] = x
+        a, k = jax.tree.unflatten(treedef, full)
+        return model.init(jax.random.key(0), *a, **k)
+
+    specs = [jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for i in at]
+    try:
+        with _without_callers_interceptors(), _calling(policy, _Call(frozenset()), interceptor):
+            shapes = jax.eval_shape(init, *specs)
+    except Exception:  # An init that needs other arguments: parameters as stored.
+        return {}
+    return _dtypes_by_path(shapes.get("params", {}))
+
+
+@contextlib.contextmanager
+def _without_callers_interceptors() -> Iterator[None]:
+    """Flax's method interceptors set aside: the abstract `init` is not the caller's call.
+
+    Flax keeps them in a private stack; if it moves, they see that `init`
+    (`test_user_interceptors_see_each_norm_once` says so).
+    """
+    stack = getattr(flax.linen.module, "_global_interceptor_stack", None)
+    if stack is None:
+        yield
+        return
+    aside = []
+    try:
+        while len(stack):
+            aside.append(stack.pop())
+        yield
+    finally:
+        for interceptor in reversed(aside):
+            stack.push(interceptor)
+
+
+def _dtypes_by_path(params: Any) -> dict[str, Any]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    return {jax.tree_util.keystr(path): x.dtype for path, x in flat}
+
+
+def _read_in(params: Any, dtypes: dict[str, Any]) -> Any:
+    """`params`, each floating one made narrower in the model than stored cast to that dtype."""
+
+    def read(path: Any, x: Any) -> Any:
+        made = dtypes.get(jax.tree_util.keystr(path))
+        if made is None or not is_float(x) or not jnp.issubdtype(made, jnp.floating):
+            return x
+        return x.astype(made) if np.dtype(made).itemsize < x.dtype.itemsize else x
+
+    return jax.tree_util.tree_map_with_path(read, params)
+
+
+class _MadeDtypes:
+    """The dtypes a model makes its parameters in under a policy, by model and call.
+
+    Recorded by `with_policy(model.init, ...)` (its own draws under the
+    policy), else found once by an abstract `init` (`_made_dtypes`). Keyed by
+    the model (held weakly; equal linen modules share), the policy and rules,
+    and the call's structure and dtypes (not its shapes: `init` on a small
+    batch serves `apply` on any).
+    """
+
+    def __init__(self) -> None:
+        self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def _key(key: Any, args: tuple, kwargs: dict) -> Any:
+        kwargs = {k: v for k, v in kwargs.items() if k not in _APPLY_ONLY}
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        arrays = (jax.Array, np.ndarray)
+        values = tuple(np.dtype(x.dtype) if isinstance(x, arrays) else x for x in leaves)
+        full = (key, treedef, values)
+        try:
+            hash(full)
+        except TypeError:
+            return None
+        return full
+
+    def get(self, model: Any, key: Any, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+        full = self._key(key, args, kwargs)
+        try:
+            return None if full is None else self._by_model.get(model, {}).get(full)
+        except TypeError:  # A model that cannot be held weakly, or hashed.
+            return None
+
+    def put(self, model: Any, key: Any, args: tuple, kwargs: dict, dtypes: dict) -> None:
+        full = self._key(key, args, kwargs)
+        try:
+            if full is not None:
+                self._by_model.setdefault(model, {})[full] = dtypes
+        except TypeError:
+            pass
+
+
+_MADE = _MadeDtypes()
 
 
 def _check_function(fn: Any) -> None:

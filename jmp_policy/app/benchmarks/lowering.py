@@ -15,6 +15,11 @@ no XLA compilation), in four variants:
                       every product through the op-level rewrite
   autocast            `autocast(model.apply, "mixed_bfloat16")`
 
+The same four for DeepMind's Griffin (recurrentgemma, where installed), a
+model written elsewhere: its own `dtype=bfloat16` config is the reference,
+its train step the value and gradient of the next-token loss, at `depth`
+residual blocks (recurrent and attention, alternating) of width `width`.
+
 Each round lowers every variant once, a new `jax.jit` each time (no cached
 trace, and jmp_policy's shared product traces forgotten: a first lowering),
 in an order that rotates from round to round; the figure is the median over
@@ -72,30 +77,95 @@ def lowering_seconds(step: Callable, *args: Any) -> float:
     return time.perf_counter() - start
 
 
-def measure(rounds: int, depth: int, width: int) -> tuple[list[float], dict[str, list[float]]]:
-    """The reference's seconds and, per variant, its ratio to them in each round
-    (interleaved, in a rotating order)."""
+POLICIES = ("mixed_bfloat16", "p=f32,c=bf16,o=f32,m=bf16")
+
+
+def init_as_users_do(model: Any, *args: Any) -> None:
+    """`with_policy(model.init, policy)` (abstractly), as the README's train step
+    starts: it tells `with_policy` the dtypes the model makes its parameters in."""
+    for policy in POLICIES:
+        jax.eval_shape(jmp_policy.with_policy(model.init, policy), jax.random.key(0), *args)
+
+
+def transformer_steps(depth: int, width: int) -> tuple[dict[str, Callable], tuple]:
+    """The benchmark Transformer's train step per variant, and its arguments (shapes)."""
     _, _, vocab_size = _transformer_lm.make_data(1)
     batch = jax.ShapeDtypeStruct((_transformer_lm.BATCH, _transformer_lm.SEQ_LEN + 1), jnp.int32)
     model = _transformer_lm.make_model(vocab_size, depth=depth, width=width)
-    params = jax.eval_shape(
-        model.init, jax.random.key(0), jnp.zeros(batch.shape, jnp.int32)[:, :-1]
-    )
-    params = params["params"]
+    tokens = jnp.zeros(batch.shape, jnp.int32)[:, :-1]
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+    init_as_users_do(model, tokens)
     tx = jmp_policy.loss_scaled(optax.adam(1e-3), jmp_policy.NoOpLossScale())
     opt_state = jax.eval_shape(tx.init, params)
     steps = {
         name: train_step(_transformer_lm, apply, tx)
         for name, apply in variants(vocab_size, depth, width).items()
     }
+    return steps, (params, opt_state, batch)
+
+
+def griffin_steps(depth: int, width: int) -> tuple[dict[str, Callable], tuple] | None:
+    """Griffin's train step per variant and its arguments; None without recurrentgemma."""
+    try:
+        from recurrentgemma import jax as griffin  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    kinds = (griffin.TemporalBlockType.RECURRENT, griffin.TemporalBlockType.ATTENTION)
+    config = griffin.GriffinConfig(
+        vocab_size=256,
+        width=width,
+        mlp_expanded_width=2 * width,
+        num_heads=2,
+        block_types=tuple(kinds[i % 2] for i in range(depth)),
+        embeddings_scale_by_sqrt_dim=True,
+        attention_window_size=16,
+        logits_soft_cap=30.0,
+        scan_type=griffin.ScanType.LINEAR_NATIVE,
+    )
+    model = griffin.Griffin(config)
+    applies = {
+        REFERENCE: griffin.Griffin(config, dtype=jnp.bfloat16).apply,
+        "with_policy": jmp_policy.with_policy(model.apply, "mixed_bfloat16"),
+        "with_policy m=bf16": jmp_policy.with_policy(model.apply, "p=f32,c=bf16,o=f32,m=bf16"),
+        "autocast": jmp_policy.autocast(model.apply, "mixed_bfloat16"),
+    }
+    tokens = jnp.zeros((8, 33), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), (8, 32))
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens[:, :-1], pos)["params"]
+    init_as_users_do(model, tokens[:, :-1], pos)
+    tx = jmp_policy.loss_scaled(optax.adam(1e-3), jmp_policy.NoOpLossScale())
+
+    def step_of(apply: Callable) -> Callable:
+        def step(params: Any, opt_state: Any, tokens: jax.Array) -> Any:
+            def loss(p: Any) -> jax.Array:
+                logits, _ = apply({"params": p}, tokens[:, :-1], pos, return_cache=False)
+                return optax.softmax_cross_entropy_with_integer_labels(
+                    logits.astype(jnp.float32), tokens[:, 1:]
+                ).mean()
+
+            value, grads = jax.value_and_grad(loss)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        return step
+
+    steps = {name: step_of(apply) for name, apply in applies.items()}
+    return steps, (params, jax.eval_shape(tx.init, params), tokens)
+
+
+def measure(
+    rounds: int, steps: dict[str, Callable], args: tuple
+) -> tuple[list[float], dict[str, list[float]]]:
+    """The reference's seconds and, per variant, its ratio to them in each round
+    (interleaved, in a rotating order)."""
     names = list(steps)
     for name in names:  # Warm-up: imports and JAX's own first-use caches.
-        lowering_seconds(steps[name], params, opt_state, batch)
+        lowering_seconds(steps[name], *args)
     ratios: dict[str, list[float]] = {name: [] for name in names if name != REFERENCE}
     reference_s = []
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
-        seconds = {name: lowering_seconds(steps[name], params, opt_state, batch) for name in order}
+        seconds = {name: lowering_seconds(steps[name], *args) for name in order}
         for name in ratios:
             ratios[name].append(seconds[name] / seconds[REFERENCE])
         reference_s.append(seconds[REFERENCE])
@@ -110,16 +180,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=128)
     args = parser.parse_args(argv)
     rounds = 2 if args.quick else args.rounds
-    with jax.numpy_dtype_promotion("standard"):
-        seconds, ratios = measure(rounds, args.depth, args.width)
-    reference_s = statistics.median(seconds)
-    print(
-        f"Train step lowering, {args.depth} layers x width {args.width}, median of {rounds} "
-        f"interleaved rounds; {REFERENCE}: {reference_s:.2f} s = 1.00"
-    )
-    print(f"{'variant':<22}{'ratio':>8}{'target':>8}")
-    for name, values in ratios.items():
-        print(f"{name:<22}{statistics.median(values):>8.2f}{TARGETS[name]:>8.2f}")
+    models = {"Transformer": transformer_steps, "Griffin (recurrentgemma)": griffin_steps}
+    for model, make in models.items():
+        with jax.numpy_dtype_promotion("standard"):  # Griffin is written for it.
+            made = make(args.depth, args.width)
+            if made is None:
+                print(f"\n{model}: not installed, not measured")
+                continue
+            seconds, ratios = measure(rounds, *made)
+        reference_s = statistics.median(seconds)
+        print(
+            f"\n{model} train step lowering, {args.depth} layers x width {args.width}, median "
+            f"of {rounds} interleaved rounds; {REFERENCE}: {reference_s:.2f} s = 1.00"
+        )
+        print(f"{'variant':<22}{'ratio':>8}{'target':>8}")
+        for name, values in ratios.items():
+            print(f"{name:<22}{statistics.median(values):>8.2f}{TARGETS[name]:>8.2f}")
     return 0
 
 
