@@ -84,3 +84,54 @@ def test_a_matmul_dtype_is_refused_by_haiku_and_taken_by_autocast():
         assert [o.operand_types for o in dots] == [("f8E4M3FN", "f8E4M3FN")]
     finally:
         hk.mixed_precision.clear_policy(hk.Linear)
+
+
+@pytest.mark.slow
+def test_a_haiku_resnet_under_autocast_is_as_good_as_haikus_own_bf16_config():
+    # Haiku's own ResNet (BatchNorm state, convolutions), its weights random:
+    # autocast against Haiku's hand-written half config, hk.mixed_precision.
+    import haiku as hk
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def net_fn(x, is_training):
+        net = hk.nets.ResNet(
+            [1, 1, 1, 1], num_classes=10, channels_per_group=(8, 16, 16, 16),
+            bottleneck=False, resnet_v2=False, initial_conv_config={"output_channels": 8},
+        )  # fmt: skip
+        return net(x, is_training=is_training)
+
+    net = hk.transform_with_state(net_fn)
+    x = jax.random.normal(jax.random.key(0), (4, 16, 16, 3))
+    params, state = net.init(jax.random.key(1), x, True)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    params = treedef.unflatten(
+        [p + 0.1 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)]
+    )
+    want, _ = net.apply(params, state, None, x, False)
+
+    hk.mixed_precision.set_policy(hk.nets.ResNet, jmp_policy.get_policy("p=f32,c=bf16,o=f32"))
+    try:
+        hand, _ = hk.transform_with_state(net_fn).apply(params, state, None, x, False)
+    finally:
+        hk.mixed_precision.clear_policy(hk.nets.ResNet)
+    hand_err = float(jnp.max(jnp.abs(hand - want)))
+
+    apply = jmp_policy.autocast(net.apply, "mixed_bfloat16")
+    out, _ = apply(params, state, None, x, False)
+    assert out.dtype == jnp.float32
+    assert float(jnp.max(jnp.abs(out - want))) <= 1.5 * hand_err
+
+    # A train step: BatchNorm's statistics come back float32 and finite.
+    def loss(p, s):
+        logits, s = apply(p, s, None, x, True)
+        return jnp.mean(logits**2), s
+
+    (value, new_state), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, state)
+    stats = [a for a in jax.tree.leaves(new_state) if jnp.issubdtype(a.dtype, jnp.floating)]
+    assert stats and all(a.dtype == jnp.float32 for a in stats)
+    assert np.isfinite(float(value)) and all(
+        bool(jnp.all(jnp.isfinite(g))) and g.dtype == jnp.float32 for g in jax.tree.leaves(grads)
+    )
