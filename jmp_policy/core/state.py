@@ -192,10 +192,11 @@ def cast_results(
         level = _one_level(tree)
         if level is None:
             return to_output(tree)
-        part = _Tree(tree)
-        arg = _argument_of(part, candidates) if candidates else None
-        if arg is not None:
-            return _like(part, arg)
+        if candidates:
+            part = _Tree(tree)
+            arg = _argument_of(part, candidates)
+            if arg is not None:
+                return _like(part, arg)
         if not top and type(tree) not in _PLAIN:
             return tree  # A container of the function's own making: as made.
         children, treedef = level
@@ -204,8 +205,9 @@ def cast_results(
     def as_state(tree: Any) -> Any:
         if _one_level(tree) is None:
             return _array_like(tree, args)
-        arg = _argument_of(_Tree(tree), candidates)
-        return tree if arg is None else _like(_Tree(tree), arg)
+        part = _Tree(tree)
+        arg = _argument_of(part, candidates)
+        return tree if arg is None else _like(part, arg)
 
     if returns_state is None:
         return auto(out)
