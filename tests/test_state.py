@@ -304,3 +304,32 @@ def test_bad_returns_state():
         cast_results(out, [X], to_output, returns_state=(True, False, True))
     with pytest.raises(TypeError, match="returns_state takes True.*got 'yes'"):
         cast_results(out, [X], to_output, returns_state=(True, "yes"))
+
+
+def test_a_write_into_a_buffer_takes_the_buffers_dtype():
+    # A float32 program given a bfloat16 cache: as written, its float32 keys
+    # cannot be written into it (lax refuses); under autocast and NNX's
+    # op-level rewrite they are, rounded to the cache's dtype. Also the
+    # `scatter` a vmapped write becomes (penzai's named axes).
+    k = jnp.arange(6, dtype=F32).reshape(2, 3) / 7
+    cache = jnp.zeros((2, 4, 3), BF16)
+
+    def write(cache, k, at):
+        return jax.lax.dynamic_update_slice(cache, k[:, None] * 1.0, (0, at, 0))
+
+    def batched(cache, k, at):  # one position per batch row: a scatter
+        return jax.vmap(lambda c, r, i: jax.lax.dynamic_update_slice(c, r[None], (i, 0)))(
+            cache, k, at
+        )
+
+    expected = np.zeros((2, 4, 3), BF16)
+    expected[:, 1] = np.asarray(k).astype(BF16)
+    for fn, at in ((write, 1), (batched, jnp.array([1, 1]))):
+        with pytest.raises(TypeError, match="requires arguments to have the same dtypes"):
+            jax.jit(fn)(cache, k, at)  # The program as written.
+        for policy in ("mixed_bfloat16", "p=f32,c=bf16,o=f32,m=bf16"):
+            out = jax.jit(autocast(fn, policy, returns_state=True))(cache, k, at)
+            assert out.dtype == BF16
+            np.testing.assert_array_equal(np.asarray(out), expected)
+        with pytest.raises(TypeError, match="requires arguments to have the same dtypes"):
+            jax.jit(fn)(cache, k, jnp.int32(2) if fn is write else at + 1)  # Still refused.

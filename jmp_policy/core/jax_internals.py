@@ -5,7 +5,9 @@
 releases, and the equation attributes used here (`eqn.params` keys such as
 `"jaxpr"`, `"dimension_numbers"`, `"new_dtype"`, `eqn.ctx`,
 `Primitive.get_bind_params`) are not documented API; nor are `jnp.einsum`'s
-`_dot_general=` or the texts of three JAX errors. Everything of that kind is in
+`_dot_general=`, the texts of four JAX errors, or the abstract evaluation of
+writes (relaxed while `autocast` traces a write into a buffer of another
+dtype, and JAX's cache of it cleared). Everything of that kind is in
 this module, so that a JAX upgrade breaks here first and is fixed here once.
 Each internal has a probe in `jax_probes` (run by the test suite) that fails
 with `JaxChanged`, naming the installed JAX, when JAX changes it; a read that
@@ -15,6 +17,7 @@ against jax and jaxlib 0.10.2 and 0.12.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import inspect
@@ -75,6 +78,11 @@ custom_vjp_call_p: Primitive = _primitive("custom_vjp_call_p")
 convert_element_type_p: Primitive = _primitive("convert_element_type_p")
 dot_general_p: Primitive = _primitive("dot_general_p")
 conv_general_dilated_p: Primitive = _primitive("conv_general_dilated_p")
+# Writes into a buffer: the position of the value written among the operands.
+WRITTEN_OPERAND: dict[Primitive, int] = {
+    _primitive("dynamic_update_slice_p"): 1,
+    _primitive("scatter_p"): 2,
+}
 
 
 def param(eqn: JaxprEqn, name: str) -> Any:
@@ -180,6 +188,59 @@ def is_dtype_mismatch(error: Exception) -> bool:
     return isinstance(error, TypeError) and "requires arguments to have the same dtypes" in str(
         error
     )
+
+
+def is_write_dtype_mismatch(error: Exception) -> bool:
+    """Whether `error` is `lax.dynamic_update_slice` or `lax.scatter` refusing to
+    write a value of another dtype than the buffer's."""
+    text = str(error)
+    return isinstance(error, TypeError) and any(
+        f"lax.{p.name} requires arguments to have the same dtypes" in text for p in WRITTEN_OPERAND
+    )
+
+
+@contextlib.contextmanager
+def writes_of_any_float_dtype() -> Iterator[None]:
+    """While tracing in it, a write of a floating value into a floating buffer of
+    another dtype is recorded as the buffer's type, its operands as given.
+
+    The traced program is for the jaxpr interpreter, which casts the value to
+    the buffer's dtype. JAX caches abstract evaluations by operand types: the
+    cache is cleared on leaving, so no later trace sees such a write accepted.
+    """
+    try:
+        from jax._src.interpreters import partial_eval as where
+    except ImportError:
+        where = None  # type: ignore[assignment]
+    cache = getattr(where, "_cached_abstract_eval", None)
+    if cache is None or not hasattr(cache, "cache_clear"):
+        raise JaxChanged("jax._src.interpreters.partial_eval._cached_abstract_eval")
+    originals = {p: p.abstract_eval for p in WRITTEN_OPERAND}
+
+    def relaxed(prim: Primitive, position: int) -> Callable:
+        def abstract_eval(*avals: Any, **params: Any) -> Any:
+            buffer, value = avals[0], avals[position]
+            dtypes = [getattr(a, "dtype", None) for a in (buffer, value)]
+            if dtypes[0] != dtypes[1] and all(
+                d is not None and jnp.issubdtype(d, jnp.floating) for d in dtypes
+            ):
+                avals = (
+                    *avals[:position],
+                    value.update(dtype=buffer.dtype),
+                    *avals[position + 1 :],
+                )
+            return originals[prim](*avals, **params)
+
+        return abstract_eval
+
+    try:
+        for prim, position in WRITTEN_OPERAND.items():
+            prim.abstract_eval = relaxed(prim, position)  # type: ignore[method-assign]
+        yield
+    finally:
+        for prim, original in originals.items():
+            prim.abstract_eval = original  # type: ignore[method-assign]
+        cache.cache_clear()
 
 
 def primitive_names() -> frozenset[str]:

@@ -214,3 +214,40 @@ def _check_custom_vjp() -> None:
     got = ji.eval_jaxpr(primal.jaxpr, primal.consts, [_X], ji.bind)
     _expect(np.allclose(got[0], np.sin(_X)), "the primal program of a custom_vjp")
     _expect(ji.custom_vjp_file(eqn) == __file__, "the file of a custom_vjp's function")
+
+
+@_probe("writes of another float dtype: their errors, and tracing them")
+def _check_writes() -> None:
+    buffer, update = np.zeros((2, 2), jnp.bfloat16), np.ones((1, 2), np.float32)
+    index = np.zeros((1, 1), np.int32)
+    scatter_dims = lax.ScatterDimensionNumbers((1,), (0,), (0,))
+
+    def write(b: Any, u: Any) -> Any:
+        return lax.dynamic_update_slice(b, u, (0, 0))
+
+    def scatter(b: Any, u: Any) -> Any:
+        return lax.scatter(b, index, u, scatter_dims)
+
+    def trace(fn: Callable) -> Callable[[], Any]:
+        return lambda: jax.make_jaxpr(fn)(buffer, update)
+
+    for fn in (write, scatter):
+        _expect_error(
+            trace(fn),
+            ji.is_write_dtype_mismatch,
+            f"{fn.__name__}: a float32 value into a bfloat16 buffer",
+        )
+        with ji.writes_of_any_float_dtype():
+            eqn = _eqns(fn, buffer, update)[-1]
+        written = ji.WRITTEN_OPERAND[eqn.primitive]
+        dtypes = [getattr(v.aval, "dtype", None) for v in (eqn.outvars[0], eqn.invars[written])]
+        _expect(
+            dtypes == [jnp.bfloat16, np.float32],
+            f"a traced {eqn.primitive.name} with the buffer's type and the value as given",
+        )
+        # Left, the write is refused again (JAX's cache of abstract evaluations too).
+        _expect_error(
+            trace(fn),
+            ji.is_write_dtype_mismatch,
+            f"{fn.__name__} after writes_of_any_float_dtype",
+        )

@@ -1,0 +1,150 @@
+"""What every model of the corpus is held to, against its own half-precision config.
+
+A policy must be at least as good as the model's own half config (its
+parameters or `dtype` in bfloat16 or float16, written by its authors): forward
+error against float32 at most 1.5x the own config's, no more float32 products,
+and under a matmul dtype every product in it but those the author keeps in
+float32 (`precision=HIGHEST`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jmp_policy as jmp
+
+from helpers import HloOp, compiler_options, contractions
+
+POLICIES = (
+    "mixed_bfloat16",
+    "mixed_float16",
+    "p=f32,c=bf16,o=f32,m=bf16",
+    "mixed_float8",
+    "mixed_float8_rowwise",
+)
+# jax.jit compiling fast (the suite's models are tiny).
+jit = functools.partial(jax.jit, compiler_options=compiler_options())
+BF16, F16 = np.dtype(jnp.bfloat16), np.dtype(np.float16)
+# A model has no FP8 config of its own: an FP8 policy is held to its bf16
+# config's error times the ratio of the formats' unit roundoffs (e4m3 2^-4,
+# bfloat16 2^-8), so a wrong scale (an overflow, a flushed operand) still fails.
+FP8_OVER_BF16 = 16.0
+# The element types a matmul dtype's forward products take (FP8: e4m3).
+MATMUL_TYPES = {BF16: {"bf16"}, F16: {"f16"}, np.dtype(jnp.float8_e4m3fn): {"f8E4M3FN"}}
+
+
+def compute_dtype(policy: str) -> np.dtype:
+    return np.dtype(jmp.get_policy(policy).compute_dtype)
+
+
+def loss_scale(policy: str) -> jmp.LossScale:
+    """A `DynamicLossScale` for float16 compute, as a float16 user trains; else none."""
+    if compute_dtype(policy) == F16:
+        return jmp.DynamicLossScale(jnp.float32(2.0**15))
+    return jmp.NoOpLossScale()
+
+
+def relative_error(out: Any, ref: Any) -> float:
+    """The largest absolute difference over the largest absolute reference value."""
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+def error_bound(policy: str, own_errors: dict[np.dtype, float]) -> float:
+    """1.5x the own config's error in the policy's compute dtype.
+
+    A model without a float16 config of its own (one that fails in float16)
+    is held to its bfloat16 config's error, which float16's 3 more mantissa
+    bits only lower.
+    """
+    dtype = compute_dtype(policy)
+    own = own_errors.get(dtype, own_errors[BF16])
+    if is_fp8(policy):
+        own *= FP8_OVER_BF16
+    return 1.5 * own
+
+
+def kept_by_author(op: HloOp) -> bool:
+    return "HIGHEST" in op.line
+
+
+def float32_products(text: str) -> list[HloOp]:
+    """The products of a lowered program with both operands float32, but those
+    the author asked float32 precision of."""
+    return [
+        op
+        for op in contractions(text)
+        if op.operand_types == ("f32", "f32") and not kept_by_author(op)
+    ]
+
+
+def assert_products(policy: str, text: str, own_text: str | None) -> None:
+    """No more float32 products than the own config (where it has one in the
+    policy's compute dtype); under a matmul dtype, every matmul in it and
+    every convolution in it or, under FP8, in the compute dtype (as the
+    matmul-dtype guide says)."""
+    if own_text is not None:
+        ours, own = float32_products(text), float32_products(own_text)
+        assert len(ours) <= len(own), (policy, [op.line for op in ours])
+    matmul = jmp.get_policy(policy).matmul_dtype
+    if matmul is not None:
+        wanted = {
+            "dot_general": MATMUL_TYPES[np.dtype(matmul)],
+            "convolution": MATMUL_TYPES[np.dtype(matmul)] | MATMUL_TYPES[compute_dtype(policy)],
+        }
+        other = [
+            op.line
+            for op in contractions(text)
+            if not kept_by_author(op) and not set(op.operand_types) <= wanted[op.name]
+        ]
+        assert not other, (policy, other)
+
+
+def train(
+    loss_fn: Callable[[Any], jax.Array], params: Any, policy: str, steps: int = 3
+) -> tuple[list[float], Any]:
+    """`steps` Adam steps under `loss_scaled` (a dynamic loss scale in float16):
+    the losses, and the final parameters."""
+    tx = jmp.loss_scaled(optax.adam(1e-2), loss_scale(policy))
+
+    @jit
+    def step(params, opt_state):
+        scale = jmp.get_loss_scale(opt_state)
+        loss, grads = jax.value_and_grad(lambda p: scale.scale(loss_fn(p)))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, scale.unscale(loss)
+
+    opt_state, losses = tx.init(params), []
+    for _ in range(steps):
+        params, opt_state, loss = step(params, opt_state)
+        losses.append(float(loss))
+    return losses, params
+
+
+def is_fp8(policy: str) -> bool:
+    return jmp.get_policy(policy).matmul_dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def assert_decodes_as_uncached(
+    policy: str, cached: Any, uncached: Any, own_errors: dict[np.dtype, float]
+) -> None:
+    """Logits of a cached decode (a prefill, then a token a step) against the
+    full sequence's: within the policy's forward error bound. FP8's current
+    scaling takes a one-token step's scales from that token alone, so only
+    half policies must also agree on every greedy token (`argmax`)."""
+    assert relative_error(cached, uncached) <= error_bound(policy, own_errors)
+    if not is_fp8(policy):
+        np.testing.assert_array_equal(np.argmax(cached, -1), np.argmax(uncached, -1))
+
+
+def assert_trains(losses: list[float], params: Any) -> None:
+    assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(params))
+    assert set(np.dtype(x.dtype) for x in jax.tree.leaves(params)) == {np.dtype(np.float32)}
