@@ -1,6 +1,9 @@
 """Models nobody here wrote, under every policy, against their own half config.
 
-Each model, with a tiny config and random weights, under `mixed_bfloat16`,
+bonsai's Qwen3 (NNX, vendored), penzai's llamalike transformer, Haiku's
+ResNet and DeepMind's gemma (linen; in a process of its own); recurrentgemma
+is in test_recurrentgemma.py, Flax's examples in test_examples.py. Each
+model, with a tiny config and random weights, under `mixed_bfloat16`,
 `mixed_float16` (with a `DynamicLossScale`), `p=f32,c=bf16,o=f32,m=bf16`,
 `mixed_float8` and `mixed_float8_rowwise`: forward error against float32 at
 most 1.5x the model's own half config's (`corpus/checks.py`), a few training
@@ -12,6 +15,10 @@ product in it but those the author keeps in float32.
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +33,7 @@ from corpus import checks
 from corpus.bonsai_qwen3 import modeling as qwen3
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -166,12 +174,6 @@ def pz_forward_of(model):
     return forward, params
 
 
-def cast_floats(tree, dtype):
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
-    )
-
-
 @pytest.fixture(scope="module")
 def llamalike_own():
     forward, params = pz_forward_of(llamalike_model(jnp.float32))
@@ -179,7 +181,7 @@ def llamalike_own():
     errors, texts = {}, {}
     for dtype in (checks.BF16, checks.F16):
         own_forward, _ = pz_forward_of(llamalike_model(dtype))
-        own_params = cast_floats(params, dtype)  # The same weights, rounded.
+        own_params = checks.cast_floats(params, dtype)  # The same weights, rounded.
         errors[dtype] = checks.relative_error(checks.jit(own_forward)(own_params, TOKENS), ref)
         texts[dtype] = checks.jit(own_forward).lower(own_params, TOKENS).as_text()
     return forward, params, ref, errors, texts
@@ -210,7 +212,7 @@ def test_penzai_llamalike(llamalike_own, policy):
     )
     unbound, variables = pz.unbind_variables(caching, freeze=True)
     variables = [
-        v if isinstance(v, pz.ParameterValue) else cast_floats(v, dtype) for v in variables
+        v if isinstance(v, pz.ParameterValue) else checks.cast_floats(v, dtype) for v in variables
     ]
 
     @checks.jit
@@ -296,3 +298,24 @@ def test_haiku_resnet(resnet_own, policy):
     _, new_state = checks.jit(apply, static_argnums=4)(params, state, None, IMAGES, True)
     assert jax.tree.map(lambda a: a.dtype, new_state) == jax.tree.map(lambda a: a.dtype, state)
     assert all(bool(jnp.isfinite(a).all()) for a in jax.tree.leaves(new_state))
+
+
+# --------------------------------------------------------------------------
+# Google DeepMind's gemma (PyPI): in a process of its own, with its imports
+# first on the path (`./run` installs them in .venv/gemma; see gemma_check.py).
+
+GEMMA = ROOT / ".venv" / "gemma"
+
+
+@pytest.mark.skipif(not (GEMMA / "gemma").is_dir(), reason="./run installs gemma in .venv/gemma")
+def test_gemma():
+    path = os.pathsep.join([str(GEMMA), str(ROOT / "tests"), str(ROOT)])
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "corpus" / "gemma_check.py")],
+        env={**os.environ, "PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    assert "every check holds" in run.stdout, run.stdout

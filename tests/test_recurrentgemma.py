@@ -18,6 +18,7 @@ import pytest
 
 import jmp_policy as jmp
 
+from corpus import checks
 from helpers import compiler_options
 
 griffin = pytest.importorskip("recurrentgemma.jax")
@@ -47,6 +48,7 @@ POLICIES = [
     "mixed_float16",
     "p=f32,c=bf16,o=f32,m=bf16",
     "mixed_float8",
+    "mixed_float8_rowwise",
     "autocast",
 ]
 
@@ -130,3 +132,30 @@ def test_griffin_trains_and_decodes_with_its_cache_as_uncached(params, policy):
             )
         assert cache_dtypes == _dtypes(hand_cache)
         assert BF16 in jax.tree.leaves(cache_dtypes) and F32 in jax.tree.leaves(cache_dtypes)
+
+
+@pytest.mark.parametrize("policy", checks.POLICIES)
+def test_griffin_forward_and_products_no_worse_than_its_own_half_config(params, policy):
+    # Griffin's own half config: `Griffin(config, dtype=...)` on float32
+    # parameters (its `param_dtype`).
+    with jax.numpy_dtype_promotion("standard"):  # Griffin is written for it.
+
+        def forward(model):
+            return checks.jit(
+                lambda p: model.apply({"params": p}, TOKENS, POS, return_cache=False)[0]
+            )
+
+        ref = forward(griffin.Griffin(CONFIG))(params)
+        dtype = checks.compute_dtype(policy)
+        own = forward(griffin.Griffin(CONFIG, dtype=dtype))
+        own_errors = {dtype: checks.relative_error(own(params), ref)}
+        mixed = checks.jit(
+            lambda p: jmp.with_policy(griffin.Griffin(CONFIG).apply, policy)(
+                {"params": p}, TOKENS, POS, return_cache=False
+            )[0]
+        )
+        out = mixed(params)
+        assert out.dtype == F32
+        assert checks.relative_error(out, ref) <= checks.error_bound(policy, own_errors)
+        own_text = own.lower(params).as_text()
+        checks.assert_products(policy, mixed.lower(params).as_text(), own_text)
