@@ -121,16 +121,26 @@ def _kahan_leaf(comp: Any, p: Any, u: Any) -> tuple[Any, Any]:
     return step, new_comp.astype(p.dtype)
 
 
-def _stochastic_round(target: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+def _uniform_like(key: jax.Array, arrays: list[Any]) -> list[jax.Array]:
+    """Uniform float32 draws in [0, 1) shaped like each of `arrays`, from one
+    draw of the PRNG: one generator in the program, not one per leaf (each
+    compiles to the full Threefry rounds)."""
+    sizes = [int(np.prod(a.shape)) for a in arrays]
+    flat = jax.random.uniform(key, (sum(sizes),), jnp.float32)
+    ends = np.cumsum(sizes)
+    return [flat[e - n : e].reshape(a.shape) for a, n, e in zip(arrays, sizes, ends)]
+
+
+def _stochastic_round(target: jax.Array, dtype: Any, draw: jax.Array) -> jax.Array:
     """Rounds float32 `target` to one of its two neighbours in `dtype`, up
-    with probability (target - down) / (up - down): unbiased. Float32 out."""
+    with probability (target - down) / (up - down): unbiased (`draw` is
+    uniform in [0, 1), shaped like `target`). Float32 out."""
     target = _saturate(target, dtype)
     spacing = _spacing(target, dtype)
     # All exact in float32: a multiple of a power of two, and a difference
     # within one binade.
     down = jnp.floor(target / spacing) * spacing
     prob_up = (target - down) / spacing
-    draw = jax.random.uniform(key, target.shape, jnp.float32)
     rounded = jnp.where(draw < prob_up, down + spacing, down)
     # Non-finite (NaN passes), or a spacing flushed to zero (bfloat16 values
     # below 2**-126, on hardware without float32 subnormals): to nearest.
@@ -138,9 +148,9 @@ def _stochastic_round(target: jax.Array, dtype: Any, key: jax.Array) -> jax.Arra
     return jnp.where(usable, rounded, _round_nearest(target, dtype))
 
 
-def _stochastic_leaf(p: Any, u: Any, key: jax.Array) -> Any:
+def _stochastic_leaf(p: Any, u: Any, draw: jax.Array) -> Any:
     target = p.astype(jnp.float32) + u.astype(jnp.float32)
-    step, _ = _step_to(p, _stochastic_round(target, p.dtype, key))
+    step, _ = _step_to(p, _stochastic_round(target, p.dtype, draw))
     return step
 
 
@@ -158,11 +168,11 @@ def _store_like(new: Any, old: Any, key: jax.Array) -> Any:
     stochastically rounded, others (counts, float32 moments) as they are."""
     new_leaves, treedef = jax.tree.flatten(new)
     old_leaves = _flatten_up_to(treedef, old)
-    keys = jax.random.split(key, max(len(new_leaves), 1))
+    draws = iter(_uniform_like(key, [o for o in old_leaves if _is_half(o)]))
     out = []
-    for i, (n, o) in enumerate(zip(new_leaves, old_leaves)):
+    for n, o in zip(new_leaves, old_leaves):
         if _is_half(o):
-            n = _stochastic_round(n.astype(jnp.float32), o.dtype, keys[i]).astype(o.dtype)
+            n = _stochastic_round(n.astype(jnp.float32), o.dtype, next(draws)).astype(o.dtype)
         elif hasattr(n, "dtype") and hasattr(o, "dtype") and n.dtype != o.dtype:
             n = n.astype(o.dtype)
         out.append(n)
@@ -341,10 +351,10 @@ def half_param_updates(
             new_updates = jax.tree.unflatten(treedef, [u for u, _ in pairs])
             compensation = jax.tree.unflatten(treedef, [c for _, c in pairs])
         else:
-            keys = jax.random.split(params_key, max(len(leaves), 1))
+            draws = iter(_uniform_like(params_key, [p for p in leaves if _is_half(p)]))
             out = [
-                _stochastic_leaf(p, u, keys[i]) if _is_half(p) else u
-                for i, (p, u) in enumerate(zip(leaves, update_leaves))
+                _stochastic_leaf(p, u, next(draws)) if _is_half(p) else u
+                for p, u in zip(leaves, update_leaves)
             ]
             new_updates, compensation = jax.tree.unflatten(treedef, out), state.compensation
         return new_updates, HalfParamState(inner_state, compensation, jax.random.key_data(key))
