@@ -232,11 +232,27 @@ def test_installed_wheel_ships_every_benchmark_and_runs_bench_quick(venv, tmp_pa
     # Every benchmark of the checkout starts from the wheel (its imports and
     # arguments); the quick runs of those not run from the checkout elsewhere
     # (tests/test_benchmarks.py, test_gpu_benchmark.py) run from it.
-    for name in benchmark_names():
-        proc = _run_in(
-            venv, ["python", "-m", f"jmp_policy.app.benchmarks.{name}", "--help"], tmp_path
-        )
-        assert proc.returncode == 0 and "usage:" in proc.stdout, (name, proc.stderr)
+    # One process runs each as `python -m ... --help` (JAX imported once).
+    code = (
+        "import contextlib, io, json, runpy, sys\n"
+        "out = {}\n"
+        "for name in sys.argv[1:]:\n"
+        "    module = f'jmp_policy.app.benchmarks.{name}'\n"
+        "    sys.argv, text = [module, '--help'], io.StringIO()\n"
+        "    with contextlib.redirect_stdout(text):\n"
+        "        try:\n"
+        "            runpy.run_module(module, run_name='__main__', alter_sys=True)\n"
+        "        except SystemExit as e:\n"
+        "            out[name] = [e.code, text.getvalue()]\n"
+        "print(json.dumps(out))\n"
+    )
+    names = benchmark_names()
+    proc = _run_in(venv, ["python", "-c", code, *names], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    helps = json.loads(proc.stdout)
+    assert sorted(helps) == sorted(names)
+    for name, (code, text) in helps.items():
+        assert code in (0, None) and "usage:" in text, (name, code, text)
     quick = ["cpu_dot", "gpu_compile", "loss_scaling"]
     args = ["jmp-policy", "bench", "--quick", *(a for n in quick for a in ("--only", n))]
     proc = _run_in(venv, args, tmp_path)
