@@ -20,3 +20,7 @@ def pytest_configure(config):
         "markers",
         "slow: long-running reliability test (runs by default; deselect with -m 'not slow')",
     )
+
+
+# Run by test_corpus.py in a process of its own, where gemma is importable.
+collect_ignore = ["corpus/gemma_check.py"]

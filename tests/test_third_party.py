@@ -245,6 +245,50 @@ def test_init_equals_model_init_for_params_drawn_in_the_model_dtype():
 
 
 # --------------------------------------------------------------------------
+# Hugging Face's Flax models (CLIP text, RoBERTa, GPT-Neo, Electra): a `dtype`
+# config passed to every layer but the embeddings, built without one, so in
+# the model's own half config they, and the residual stream they feed, stay
+# float32.
+
+
+class EncoderWithFloat32Embeddings(nn.Module):
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, F, name="token_embedding")(tokens)
+        x = x + nn.Embed(L, F, name="position_embedding")(jnp.arange(tokens.shape[1]))
+        for i in range(3):
+            h = nn.LayerNorm(dtype=self.dtype)(x)
+            h = nn.Dense(4 * F, dtype=self.dtype)(h)
+            x = x + nn.Dense(F, dtype=self.dtype)(nn.gelu(h))
+        return nn.Dense(V, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_layers_built_without_dtype_stay_as_in_the_models_own_half_config(policy):
+    model = EncoderWithFloat32Embeddings()
+    half = jmp.get_policy(policy).compute_dtype
+    hand = EncoderWithFloat32Embeddings(dtype=half)
+    tokens = np.random.default_rng(1).integers(0, V, (8, L)).astype(np.int32)
+    with jax.numpy_dtype_promotion("standard"):  # float32 embeddings meet half layers
+        params = jmp.with_policy(model.init, policy)(jax.random.key(0), tokens)
+        ref = jax.jit(model.apply)(params, tokens)
+        hand_out = jax.jit(hand.apply)(params, tokens)
+        apply = jax.jit(jmp.with_policy(model.apply, policy))
+        out = apply(params, tokens)
+        text, hand_text = (f.lower(params, tokens).as_text() for f in (apply, jax.jit(hand.apply)))
+        # A rule naming the embeddings puts them in the compute dtype.
+        ruled = jmp.with_policy(model.apply, policy, rules={"*_embedding": policy})
+        _, state = jax.eval_shape(lambda: ruled(params, tokens, capture_intermediates=True))
+    err, hand_err = (float(jnp.abs(o.astype(F32) - ref).max()) for o in (out, hand_out))
+    # Measured before (every layer in half): 1.6x (bf16) and 1.7x (f16) hand's.
+    assert err <= 1.5 * hand_err, (err, hand_err)
+    assert f32_products(dot_types(text)) <= f32_products(dot_types(hand_text))
+    assert state["intermediates"]["token_embedding"]["__call__"][0].dtype == half
+
+
+# --------------------------------------------------------------------------
 # An explicit float32 state passed to an inner module (recurrentgemma's RG-LRU).
 
 

@@ -349,11 +349,6 @@ def _apply(eqn, invals, rules):
     if prim is ji.convert_element_type_p:
         x, new_dtype = invals[0], ji.new_dtype(eqn)
         return x if x.dtype == new_dtype else ji.bind(eqn, invals)
-    if prim in ji.WRITTEN_OPERAND:  # A write takes the buffer's dtype.
-        args, i = _as_original(eqn, invals), ji.WRITTEN_OPERAND[prim]
-        if is_float(args[0]) and is_float(invals[i]):
-            args[i] = cast(invals[i], args[0].dtype)
-        return ji.bind(eqn, args)
     floats = [i for i, x in enumerate(invals) if is_float(x)]
     if not floats or not (name in rules.half or name in rules.float32 or name in rules.promote):
         return ji.bind(eqn, _as_original(eqn, invals))  # Unknown: run as written.
@@ -408,7 +403,7 @@ def trace_and_eval(fn, args, rules):
         # float32 program) is refused as written; it takes the buffer's dtype.
         if not ji.is_write_dtype_mismatch(e):
             raise
-        with ji.writes_of_any_float_dtype():
+        with ji.writes_take_the_buffer_dtype():
             closed = jax.make_jaxpr(traced_fn)(*values)
     outs = iter(_eval(closed.jaxpr, closed.consts, values, rules))
     full = [next(outs) if x is _TRACED else x for x in out_leaves]

@@ -5,9 +5,9 @@
 releases, and the equation attributes used here (`eqn.params` keys such as
 `"jaxpr"`, `"dimension_numbers"`, `"new_dtype"`, `eqn.ctx`,
 `Primitive.get_bind_params`) are not documented API; nor are `jnp.einsum`'s
-`_dot_general=`, the texts of four JAX errors, or the abstract evaluation of
-writes (relaxed while `autocast` traces a write into a buffer of another
-dtype, and JAX's cache of it cleared). Everything of that kind is in
+`_dot_general=`, the texts of four JAX errors, or the `bind` of the write
+primitives (which `autocast` wraps while it traces a write into a buffer of
+another dtype). Everything of that kind is in
 this module, so that a JAX upgrade breaks here first and is fixed here once.
 Each internal has a probe in `jax_probes` (run by the test suite) that fails
 with `JaxChanged`, naming the installed JAX, when JAX changes it; a read that
@@ -200,47 +200,31 @@ def is_write_dtype_mismatch(error: Exception) -> bool:
 
 
 @contextlib.contextmanager
-def writes_of_any_float_dtype() -> Iterator[None]:
-    """While tracing in it, a write of a floating value into a floating buffer of
-    another dtype is recorded as the buffer's type, its operands as given.
+def writes_take_the_buffer_dtype() -> Iterator[None]:
+    """While tracing in it, a write of a floating value into a floating buffer
+    of another dtype (refused by `lax`) casts the value to the buffer's dtype
+    first, as `.at[].set` does: the traced program holds the cast. Not thread
+    safe: another thread tracing meanwhile has its writes cast too."""
 
-    The traced program is for the jaxpr interpreter, which casts the value to
-    the buffer's dtype. JAX caches abstract evaluations by operand types: the
-    cache is cleared on leaving, so no later trace sees such a write accepted.
-    """
-    try:
-        from jax._src.interpreters import partial_eval as where
-    except ImportError:
-        where = None  # type: ignore[assignment]
-    cache = getattr(where, "_cached_abstract_eval", None)
-    if cache is None or not hasattr(cache, "cache_clear"):
-        raise JaxChanged("jax._src.interpreters.partial_eval._cached_abstract_eval")
-    originals = {p: p.abstract_eval for p in WRITTEN_OPERAND}
-
-    def relaxed(prim: Primitive, position: int) -> Callable:
-        def abstract_eval(*avals: Any, **params: Any) -> Any:
-            buffer, value = avals[0], avals[position]
-            dtypes = [getattr(a, "dtype", None) for a in (buffer, value)]
-            if dtypes[0] != dtypes[1] and all(
-                d is not None and jnp.issubdtype(d, jnp.floating) for d in dtypes
+    def casting(bind: Callable, position: int) -> Callable:
+        def bind_cast(*args: Any, **params: Any) -> Any:
+            buffer, value = args[0], args[position]
+            if value.dtype != buffer.dtype and all(
+                jnp.issubdtype(x.dtype, jnp.floating) for x in (buffer, value)
             ):
-                avals = (
-                    *avals[:position],
-                    value.update(dtype=buffer.dtype),
-                    *avals[position + 1 :],
-                )
-            return originals[prim](*avals, **params)
+                value = jax.lax.convert_element_type(value, buffer.dtype)
+                args = (*args[:position], value, *args[position + 1 :])
+            return bind(*args, **params)
 
-        return abstract_eval
+        return bind_cast
 
     try:
         for prim, position in WRITTEN_OPERAND.items():
-            prim.abstract_eval = relaxed(prim, position)  # type: ignore[method-assign]
+            prim.bind = casting(prim.bind, position)  # type: ignore[method-assign]
         yield
     finally:
-        for prim, original in originals.items():
-            prim.abstract_eval = original  # type: ignore[method-assign]
-        cache.cache_clear()
+        for prim in WRITTEN_OPERAND:
+            vars(prim).pop("bind", None)  # The class's own `bind` again.
 
 
 def primitive_names() -> frozenset[str]:

@@ -237,17 +237,19 @@ def _check_writes() -> None:
             ji.is_write_dtype_mismatch,
             f"{fn.__name__}: a float32 value into a bfloat16 buffer",
         )
-        with ji.writes_of_any_float_dtype():
-            eqn = _eqns(fn, buffer, update)[-1]
-        written = ji.WRITTEN_OPERAND[eqn.primitive]
-        dtypes = [getattr(v.aval, "dtype", None) for v in (eqn.outvars[0], eqn.invars[written])]
+        with ji.writes_take_the_buffer_dtype():
+            eqns = _eqns(fn, buffer, update)
+        convert, written = eqns[-2:]
+        position = ji.WRITTEN_OPERAND[written.primitive]
         _expect(
-            dtypes == [jnp.bfloat16, np.float32],
-            f"a traced {eqn.primitive.name} with the buffer's type and the value as given",
+            convert.primitive is ji.convert_element_type_p
+            and written.invars[position] is convert.outvars[0]
+            and getattr(written.outvars[0].aval, "dtype", None) == jnp.bfloat16,
+            f"a traced {written.primitive.name} of the value cast to the buffer's dtype",
         )
-        # Left, the write is refused again (JAX's cache of abstract evaluations too).
+        # Left, the write is refused again.
         _expect_error(
             trace(fn),
             ji.is_write_dtype_mismatch,
-            f"{fn.__name__} after writes_of_any_float_dtype",
+            f"{fn.__name__} after writes_take_the_buffer_dtype",
         )

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
@@ -57,12 +58,29 @@ def is_flax_module(module: Any) -> bool:
     return type(module).__module__.split(".")[0] == "flax"
 
 
-def attribute_overrides(module: Any, policy: Policy) -> dict[str, Any]:
+def configures_dtypes(model: Any) -> bool:
+    """Whether a model has a dtype config of its own: a floating `dtype`
+    attribute (Hugging Face's `dtype=jnp.float32`), which its author passes
+    to the layers that are to compute in it."""
+    dtype = getattr(model, "dtype", None)
+    try:
+        return dtype is not None and jnp.issubdtype(np.dtype(dtype), jnp.floating)
+    except TypeError:
+        return False
+
+
+def attribute_overrides(
+    module: Any, policy: Policy, *, configured: bool = False, named: bool = False
+) -> dict[str, Any]:
     """The `dtype` and `param_dtype` attributes a module takes under `policy`.
 
     A layer whose author asked for `precision=HIGHEST` (or a float32 dot
     algorithm) computes in float32 under every policy: the author's explicit
-    precision wins, as it does for a product under `autocast`.
+    precision wins, as it does for a product under `autocast`. In a model
+    that `configures_dtypes`, a layer built without a `dtype` (None: it
+    computes in its parameters' dtype, e.g. a Hugging Face embedding) keeps
+    it, as in the model's own half config, where it and the residual stream
+    it feeds stay float32; a rule naming the layer (`named`) sets it.
     """
     if keeps_its_dtypes(module):
         return {}
@@ -70,6 +88,8 @@ def attribute_overrides(module: Any, policy: Policy) -> dict[str, Any]:
     if asks_full_precision(getattr(module, "precision", None)):
         compute = np.promote_types(compute, np.float32)
     overrides = {"dtype": compute, "param_dtype": policy.param_dtype}
+    if configured and not named and getattr(module, "dtype", None) is None:
+        del overrides["dtype"]
     return {k: v for k, v in overrides.items() if hasattr(module, k)}
 
 

@@ -57,6 +57,9 @@ class _Call:
     keep_inputs: frozenset[str]
     rewrite: bool = False  # Products take matmul dtypes through the op-level rewrite.
     top: bool = True  # The next intercepted call is the model's own (its inputs).
+    # Whether the model has a dtype config (`casting.configures_dtypes`); None
+    # until its own call.
+    configured: bool | None = None
     paths: set[str] = dataclasses.field(default_factory=set)  # Module paths seen.
     matched: set[str] = dataclasses.field(default_factory=set)  # Path patterns matched.
     # The policy of each module path: parameters are stored in their owner's param dtype.
@@ -275,7 +278,11 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
         call = _CALL.get()
         inherited = _ACTIVE_POLICY.get()
         policy, named = _module_policy(module, rules, inherited, call)
-        overrides = casting.attribute_overrides(module, policy)
+        if call.configured is None and context.method_name != "setup":
+            call.configured = casting.configures_dtypes(module)  # The model's own.
+        overrides = casting.attribute_overrides(
+            module, policy, configured=bool(call.configured), named=named
+        )
         overrides.update(casting.matmul_overrides(module, policy, rewritten=call.rewrite))
         saved = {name: getattr(module, name) for name in overrides}
         token = _ACTIVE_POLICY.set(policy)
@@ -385,7 +392,10 @@ def with_policy(
 
     For a Flax linen `model.apply` (or a `functools.partial` of it), every
     module computes in the compute dtype (its `dtype` attribute is set for the
-    call, also where it was `None` or float32); parameters stay stored in the
+    call, also where it was `None` or float32; in a model with a floating
+    `dtype` config of its own, a layer its author built without a `dtype`
+    stays as in the model's own half config, unless a rule names it);
+    parameters stay stored in the
     param dtype and are cast inside each module, so gradients come back in the
     param dtype. The results are cast to the output dtype, the state the
     model threads through is not (see below); mutable collections
