@@ -22,5 +22,6 @@ def pytest_configure(config):
     )
 
 
-# Run by test_corpus.py in a process of its own, where gemma is importable.
-collect_ignore = ["corpus/gemma_check.py"]
+# Scripts: gemma_check.py runs in a process of its own (test_corpus.py), where
+# gemma is importable; figures.py prints the corpus table of the docs.
+collect_ignore = ["corpus/gemma_check.py", "corpus/figures.py"]
