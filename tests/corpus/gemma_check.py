@@ -6,7 +6,8 @@ imports (kauldron, TensorFlow, typeguard 4) first on the path, as `./run`
 installs them apart (`.venv/gemma`): their pins clash with this project's.
 gemma's own half config is `Transformer(dtype=...)` on its parameters in that
 dtype (gemma's layers read `dtype` as their parameters' dtype); its cache is
-`config.init_cache(dtype=...)`. Exits non-zero with the failed check.
+`config.init_cache(dtype=...)`. `autocast` runs it too, with a bf16 cache.
+Exits non-zero with the failed check.
 """
 
 from __future__ import annotations
@@ -110,7 +111,17 @@ def main() -> int:
         step = checks.jit(apply, static_argnames=())
         cached = cached_logits(step, params, dtype)
         checks.assert_decodes_as_uncached(policy, cached, out, own_errors)
-    print("gemma: every check holds under", ", ".join(checks.POLICIES))
+    # `autocast` on the same model: gemma's program is float32, its cache
+    # bf16; the writes into the cache take its dtype.
+    policy = "mixed_bfloat16"
+    apply = checks.jit(jmp.autocast(model().apply, policy))
+    out = apply(params, TOKENS).logits
+    print(f"autocast {policy}: error {checks.relative_error(out, ref):.5f}")
+    assert checks.relative_error(out, ref) <= checks.error_bound(policy, own_errors)
+    checks.assert_decodes_as_uncached(
+        policy, cached_logits(apply, params, checks.BF16), out, own_errors
+    )
+    print("gemma: every check holds under", ", ".join(checks.POLICIES), "and autocast")
     return 0
 
 
