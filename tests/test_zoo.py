@@ -70,6 +70,10 @@ STEPS = 20
 COMPILER_OPTIONS = compiler_options()
 SPECS = {s.name: s for s in zoo.all_specs()}
 MATMUL_VARIANTS = ("p=f32,c=bf16,o=f32,m=bf16", "mixed_float8")
+# Checked on the lowered step only (its products): every model trains under
+# FP8 here, the example Transformer and tests/test_corpus.py's models under
+# m=bf16 too.
+LOWERED_ONLY = ("p=f32,c=bf16,o=f32,m=bf16",)
 # A product the model's author keeps in float32 on purpose takes the matmul
 # dtype like any other; a rule keeps it out.
 MATMUL_RULES = {"f32_math": {"Float32Logits_0": "f32"}}
@@ -133,11 +137,15 @@ def _policy(variant):
     return variant if variant in known else None
 
 
-def _compile_and_train(step, args, batch) -> tuple[Any, list, float, float, str]:
-    """Lowers `step` once (its text for the operand count), compiles it and runs it."""
+def _compile_and_train(step, args, batch, variant: str) -> tuple[Any, list, float, float, str]:
+    """Lowers `step` once (its text for the operand count), compiles it and runs
+    it (a variant in `LOWERED_ONLY`: lowered only, no losses)."""
     t0 = time.perf_counter()
     lowered = jax.jit(step).lower(*args, batch, jnp.int32(0))
     text = lowered.as_text()
+    if variant in LOWERED_ONLY:
+        empty = np.zeros(0, np.float64), np.zeros(0, np.int64)
+        return args, empty, time.perf_counter() - t0, 0.0, text
     compiled = lowered.compile(COMPILER_OPTIONS)
     t1 = time.perf_counter()
     losses, skipped = [], []
@@ -194,7 +202,7 @@ def train_linen(spec: zoo.LinenSpec, variant: str) -> Run:
         return optax.apply_updates(params, updates), {**state, **new_state}, opt_state, loss
 
     (p, s, _), losses, c, t, text = _compile_and_train(
-        step, (params, state, tx.init(params)), batch
+        step, (params, state, tx.init(params)), batch, variant
     )
     return Run(*losses, params, p, s, count_ops(text), c, t)
 
@@ -229,7 +237,9 @@ def train_nnx(spec: zoo.NnxSpec, variant: str) -> Run:
         rest = nnx.split(model, nnx.Param, ...)[2]  # BatchStat and PRNG counts, updated
         return optax.apply_updates(params, updates), rest, opt_state, loss
 
-    (p, s, _), losses, c, t, text = _compile_and_train(step, (params, rest, tx.init(params)), batch)
+    (p, s, _), losses, c, t, text = _compile_and_train(
+        step, (params, rest, tx.init(params)), batch, variant
+    )
     return Run(*losses, params, p, s, count_ops(text), c, t)
 
 
@@ -360,8 +370,9 @@ def test_zoo_trains_with_every_product_in_the_matmul_dtype(name, variant):
     """Under `m=bf16` every dot_general is bf16 x bf16 -> f32, under `mixed_float8` FP8
     (e4m3 x e4m3 forward, one e5m2 operand backward), but those a rule keeps out or
     that are complex: `kept_f32["mixed_bfloat16"]`. Convolutions take the compute
-    dtype (the matmul dtype is for `dot_general`). The model trains: finite losses
-    that fall, the final one within `loss_tol` of float32's, float32 parameters."""
+    dtype (the matmul dtype is for `dot_general`). Under FP8 the model trains:
+    finite losses that fall, the final one within `loss_tol` of float32's,
+    float32 parameters (`m=bf16` is lowered only)."""
     spec, ref, r = SPECS[name], run(name, "float32"), run(name, variant)
     dots = [types for op, types in r.ops if op == "dot_general"]
     if variant == "mixed_float8":
@@ -371,6 +382,8 @@ def test_zoo_trains_with_every_product_in_the_matmul_dtype(name, variant):
         taken = [t for t in dots if t == ("bf16", "bf16")]
     kept = spec.kept_f32.get("mixed_bfloat16", 0)
     assert dots and len(dots) - len(taken) == kept, [t for t in dots if t not in taken]
+    if variant in LOWERED_ONLY:
+        return
     assert np.isfinite(r.losses).all() and r.losses[-1] < r.losses[0], r.losses
     assert abs(r.losses[-1] - ref.losses[-1]) <= spec.loss_tol * ref.losses[0], r.losses
     assert _dtypes(r.params) == _dtypes(ref.init_params)
@@ -393,7 +406,7 @@ def _print_report():
     )
     for (name, variant), r in sorted(_RUNS.items()):
         ref = _RUNS.get((name, "float32"))
-        if ref is None:
+        if ref is None or not len(r.losses):  # Lowered only: no losses.
             continue
         ref_final = aligned_reference(r, ref)[-1]
         half = sum(all(t in HALF for t in types) for _, types in r.ops)
