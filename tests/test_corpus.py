@@ -91,7 +91,7 @@ def qwen3_own():
     model = qwen3.Qwen3(QWEN3, rngs=nnx.Rngs(0))
     ref = qwen3_forward(model, jnp.float32)
     own = nnx.clone(model)
-    nnx.update(own, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(own, nnx.Param)))
+    nnx.update(own, checks.cast_floats(nnx.state(own, nnx.Param), jnp.bfloat16))
     errors = {checks.BF16: checks.relative_error(qwen3_forward(own, jnp.bfloat16), ref)}
     return model, ref, errors, {checks.BF16: qwen3_text(own, jnp.bfloat16)}
 
@@ -99,7 +99,7 @@ def qwen3_own():
 def test_qwen3_own_config_has_no_float16():
     # What `error_bound` assumes of it: the hand-written float16 Qwen3 fails.
     model = qwen3.Qwen3(QWEN3, rngs=nnx.Rngs(0))
-    nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.float16), nnx.state(model, nnx.Param)))
+    nnx.update(model, checks.cast_floats(nnx.state(model, nnx.Param), jnp.float16))
     with pytest.raises(TypeError, match="dynamic_update_slice"):
         qwen3_forward(model, jnp.float16)
 

@@ -16,9 +16,10 @@ from flax import nnx
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]  # tests/: corpus, helpers
 
+import test_corpus as corpus  # noqa: E402
+
 import jmp_policy as jmp  # noqa: E402
 import jmp_policy.nnx  # noqa: E402
-import test_corpus as corpus  # noqa: E402
 
 from corpus import checks  # noqa: E402
 

@@ -108,8 +108,7 @@ def main() -> int:
             return loss(lambda *a: apply(*a).logits, params)
 
         checks.assert_trains(*checks.train(loss_fn, params, policy), learns=own_learns[dtype])
-        step = checks.jit(apply, static_argnames=())
-        cached = cached_logits(step, params, dtype)
+        cached = cached_logits(forward, params, dtype)
         checks.assert_decodes_as_uncached(policy, cached, out, own_errors)
     # `autocast` on the same model: gemma's program is float32, its cache
     # bf16; the writes into the cache take its dtype.
