@@ -218,13 +218,17 @@ def writes_take_the_buffer_dtype() -> Iterator[None]:
 
         return bind_cast
 
+    own = {prim: vars(prim).get("bind") for prim in WRITTEN_OPERAND}  # None: the class's
     try:
         for prim, position in WRITTEN_OPERAND.items():
             prim.bind = casting(prim.bind, position)  # type: ignore[method-assign]
         yield
     finally:
-        for prim in WRITTEN_OPERAND:
-            vars(prim).pop("bind", None)  # The class's own `bind` again.
+        for prim, bind in own.items():
+            if bind is None:
+                vars(prim).pop("bind", None)
+            else:
+                prim.bind = bind  # type: ignore[method-assign]
 
 
 def primitive_names() -> frozenset[str]:

@@ -69,18 +69,31 @@ def configures_dtypes(model: Any) -> bool:
         return False
 
 
-def attribute_overrides(
-    module: Any, policy: Policy, *, configured: bool = False, named: bool = False
-) -> dict[str, Any]:
-    """The `dtype` and `param_dtype` attributes a module takes under `policy`.
+def looks_up_as_built(module: Any, method_name: str, *, configured: bool, named: bool) -> bool:
+    """Whether a linen `nn.Embed`'s lookup keeps the dtype it was built with.
+
+    In a model that `configures_dtypes`, an embedding built without a `dtype`
+    (Hugging Face's) returns its table's dtype in the model's own half
+    config, and so does the residual stream it feeds. Its lookup is no
+    product: it stays so under the policy, while `attend` (a product) takes
+    the compute dtype, as under `autocast`. A rule naming the module sets it.
+    """
+    return (
+        configured
+        and not named
+        and method_name == "__call__"
+        and isinstance(module, nn.Embed)
+        and module.dtype is None
+    )
+
+
+def attribute_overrides(module: Any, policy: Policy, *, keep_dtype: bool = False) -> dict[str, Any]:
+    """The `dtype` and `param_dtype` attributes a module takes under `policy`
+    (`param_dtype` only, with `keep_dtype`: see `looks_up_as_built`).
 
     A layer whose author asked for `precision=HIGHEST` (or a float32 dot
     algorithm) computes in float32 under every policy: the author's explicit
-    precision wins, as it does for a product under `autocast`. In a model
-    that `configures_dtypes`, a layer built without a `dtype` (None: it
-    computes in its parameters' dtype, e.g. a Hugging Face embedding) keeps
-    it, as in the model's own half config, where it and the residual stream
-    it feeds stay float32; a rule naming the layer (`named`) sets it.
+    precision wins, as it does for a product under `autocast`.
     """
     if keeps_its_dtypes(module):
         return {}
@@ -88,7 +101,7 @@ def attribute_overrides(
     if asks_full_precision(getattr(module, "precision", None)):
         compute = np.promote_types(compute, np.float32)
     overrides = {"dtype": compute, "param_dtype": policy.param_dtype}
-    if configured and not named and getattr(module, "dtype", None) is None:
+    if keep_dtype:
         del overrides["dtype"]
     return {k: v for k, v in overrides.items() if hasattr(module, k)}
 

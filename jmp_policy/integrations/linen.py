@@ -280,9 +280,10 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
         policy, named = _module_policy(module, rules, inherited, call)
         if call.configured is None and context.method_name != "setup":
             call.configured = casting.configures_dtypes(module)  # The model's own.
-        overrides = casting.attribute_overrides(
-            module, policy, configured=bool(call.configured), named=named
+        as_built = casting.looks_up_as_built(
+            module, context.method_name, configured=bool(call.configured), named=named
         )
+        overrides = casting.attribute_overrides(module, policy, keep_dtype=as_built)
         overrides.update(casting.matmul_overrides(module, policy, rewritten=call.rewrite))
         saved = {name: getattr(module, name) for name in overrides}
         token = _ACTIVE_POLICY.set(policy)
@@ -393,8 +394,9 @@ def with_policy(
     For a Flax linen `model.apply` (or a `functools.partial` of it), every
     module computes in the compute dtype (its `dtype` attribute is set for the
     call, also where it was `None` or float32; in a model with a floating
-    `dtype` config of its own, a layer its author built without a `dtype`
-    stays as in the model's own half config, unless a rule names it);
+    `dtype` config of its own, an `nn.Embed` built without a `dtype` looks up
+    in its table's dtype, as in the model's own half config, unless a rule
+    names it);
     parameters stay stored in the
     param dtype and are cast inside each module, so gradients come back in the
     param dtype. The results are cast to the output dtype, the state the

@@ -96,9 +96,10 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
 
     Every submodule that has a `dtype` attribute gets the compute dtype and
     every one with a `param_dtype` attribute the param dtype, also where they
-    were `None` or float32 (in a model with a floating `dtype` of its own, a
-    layer built without a `dtype` keeps `None`, as in the model's own half
-    config, unless a rule names it); the existing `nnx.Param`s of each module are cast
+    were `None` or float32 (`nnx.Embed` fills a `dtype` it was not given
+    from its table's, so an embedding built without one cannot be told from
+    one given float32: a rule keeps it, e.g. `{nnx.Embed: "f32"}`); the
+    existing `nnx.Param`s of each module are cast
     to its param dtype. Flax's NNX layers cast their inputs and parameters to
     `dtype` when called, so matmuls take compute-dtype operands (also after a
     float32 norm) while the stored parameters, and hence the gradients and
@@ -191,13 +192,11 @@ def _with_policy(
     _rebind_closures(module, mixed)
     policies, named = _module_policies(mixed, rule_set, policy)
     modules = dict(nnx.iter_modules(mixed))
-    configured = casting.configures_dtypes(mixed)
     for path, sub in modules.items():
         if casting.keeps_its_dtypes(sub):
             continue  # Complex parameters are left alone by `cast_to_param` too.
         p = policies[path]
-        overrides = casting.attribute_overrides(sub, p, configured=configured, named=path in named)
-        for name, value in overrides.items():
+        for name, value in casting.attribute_overrides(sub, p).items():
             setattr(sub, name, value)
         for name, value in casting.matmul_overrides(sub, p).items():
             setattr(sub, name, value)
