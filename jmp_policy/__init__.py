@@ -30,6 +30,7 @@ from jmp_policy.core.loss_scaled import LossScaledState
 from jmp_policy.core.loss_scaled import get_loss_scale
 from jmp_policy.core.loss_scaled import loss_scaled
 from jmp_policy.core.fp8 import fp8_dot_general
+from jmp_policy.core.residuals import fp8_residuals
 from jmp_policy.core.matmul import half_conv_general_dilated
 from jmp_policy.core.matmul import half_dot_general
 from jmp_policy.core.policy import Policy
@@ -99,6 +100,7 @@ __all__ = (
     "cast_to_half",
     "diagnose",
     "fp8_dot_general",
+    "fp8_residuals",
     "get_loss_scale",
     "get_policy",
     "half_conv_general_dilated",

@@ -83,9 +83,13 @@ def test_bad_fp8_scaling_is_value_error(value):
         jmp.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 4)), DIMS, scaling=value)
 
 
-def test_rowwise_as_a_matmul_dtype_points_to_the_field():
-    with pytest.raises(TypeError, match="fp8_scaling='rowwise'"):
-        jmp.Policy(F32, BF16, F32, "f8_rowwise")
+def test_a_matmul_name_with_its_scaling_sets_the_field():
+    # `Policy(..., "f8_rowwise")` reads as the spec does; a scaling given
+    # besides that disagrees is a ValueError naming both.
+    assert jmp.Policy(F32, BF16, F32, "f8_rowwise") == jmp.get_policy(ROWWISE)
+    assert jmp.Policy(F32, BF16, F32, "f8_rowwise", fp8_scaling="rowwise").fp8_scaling == "rowwise"
+    with pytest.raises(ValueError, match="has the scaling 'rowwise', but fp8_scaling='mxfp8'"):
+        jmp.Policy(F32, BF16, F32, "f8_rowwise", fp8_scaling="mxfp8")
 
 
 def test_fp8_dot_general_shape_mismatch_names_the_dimensions():
@@ -95,7 +99,7 @@ def test_fp8_dot_general_shape_mismatch_names_the_dimensions():
 
 def test_rowwise_without_fp8_matmul_is_value_error():
     for matmul in (None, BF16):
-        with pytest.raises(ValueError, match="needs the FP8 matmul dtype"):
+        with pytest.raises(ValueError, match="needs the matmul dtype float8_e4m3fn"):
             jmp.Policy(F32, BF16, F32, matmul, fp8_scaling="rowwise")
     for spec, quoted in [("m=bf16_rowwise", "'bf16_rowwise'"), ("c=f8_rowwise", "'f8_rowwise'")]:
         with pytest.raises(ValueError, match=quoted):
@@ -407,8 +411,15 @@ def test_jit_over_8_devices_gives_the_single_device_step(policy):
 
 # ------------------------------------------------------------ empty operands
 
+POLICIES = {
+    "tensor": "mixed_float8",
+    "rowwise": ROWWISE,
+    "mxfp8": "mixed_mxfp8",
+    "nvfp4": "mixed_nvfp4",
+}
 
-@pytest.mark.parametrize("scaling", ["tensor", "rowwise"])
+
+@pytest.mark.parametrize("scaling", list(POLICIES))
 @pytest.mark.parametrize(("x_shape", "w_shape"), [((0, 6), (6, 4)), ((3, 0), (0, 4))])
 def test_zero_size_operands_give_what_float32_gives(scaling, x_shape, w_shape):
     # An empty batch (Hugging Face's init on tiny inputs, a short sequence's
@@ -427,6 +438,29 @@ def test_zero_size_operands_give_what_float32_gives(scaling, x_shape, w_shape):
     # 0.10's lecun_normal divides by a fan-in of 0 (the plain model fails so too).
     model = nn.Dense(4, kernel_init=nn.initializers.zeros)
     params = {"params": {"kernel": w, "bias": jnp.zeros(4)}}
-    policy = "mixed_float8" if scaling == "tensor" else ROWWISE
-    out = jmp.with_policy(model.apply, policy)(params, x)
+    out = jmp.with_policy(model.apply, POLICIES[scaling])(params, x)
     assert out.shape == (x_shape[0], 4) and out.dtype == jnp.float32
+
+
+class GlobalBlocks(nn.Module):
+    """LongT5's transient-global attention in small: a sequence shorter than
+    its block makes no global block, and the products over them are empty."""
+
+    block: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        n = x.shape[1] // self.block
+        blocks = x[:, : n * self.block].reshape(x.shape[0], n, self.block, x.shape[-1])
+        summary = nn.Dense(x.shape[-1], name="global")(blocks.mean(axis=2))
+        scores = jnp.einsum("bld,bgd->blg", nn.Dense(x.shape[-1], name="query")(x), summary)
+        return x + jnp.einsum("blg,bgd->bld", scores, summary).astype(x.dtype)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES.values()))
+def test_init_and_apply_on_inputs_shorter_than_a_block(policy):
+    # Hugging Face initialises on (1, 1) inputs; here no global block exists.
+    model, x = GlobalBlocks(), jnp.ones((1, 1, 8))
+    variables = jmp.with_policy(model.init, policy)(jax.random.key(0), x)
+    out = jax.jit(jmp.with_policy(model.apply, policy))(variables, jnp.ones((2, 3, 8)))
+    np.testing.assert_array_equal(out, jnp.ones((2, 3, 8)))

@@ -460,7 +460,9 @@ class Mlp(nn.Module):
         return nn.Dense(4)(nn.relu(nn.Dense(16)(x)))
 
 
-@pytest.mark.parametrize("policy", ["mixed_float8", "mixed_float8_rowwise"])
+@pytest.mark.parametrize(
+    "policy", ["mixed_float8", "mixed_float8_rowwise", "mixed_mxfp8", "mixed_nvfp4"]
+)
 @pytest.mark.parametrize("bad", [np.inf, np.nan])
 def test_injected_non_finite_activation_skips_the_step(bad, policy):
     model = Mlp()

@@ -702,7 +702,8 @@ _SPEC_TYPOS = [
     (
         "p:f32",
         "'p:f32'",
-        "a preset (mixed_bfloat16, mixed_float16, mixed_float8, mixed_float8_rowwise)",
+        "a preset (mixed_bfloat16, mixed_float16, mixed_float8, mixed_float8_rowwise, "
+        "mixed_mxfp8, mixed_nvfp4)",
     ),
 ]
 

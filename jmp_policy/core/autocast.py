@@ -44,6 +44,7 @@ JAX's "Writing custom Jaxpr interpreters" tutorial.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import types
@@ -56,9 +57,10 @@ import numpy as np
 
 from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.dtypes import F32 as _F32
-from jmp_policy.core.interpreter import Rules, trace_and_eval
+from jmp_policy.core.interpreter import Rules, may_scale, trace_and_eval
 from jmp_policy.core.matmul import clear_shared_products
 from jmp_policy.core.policy import Policy, get_policy
+from jmp_policy.core.residuals import differentiation_depth, traced_for
 from jmp_policy.core.state import ReturnsState, cast_results
 
 # Matmuls and convolutions: half operands, float32 accumulation.
@@ -263,7 +265,10 @@ def _shared_rewrite(fn: Callable, rules: Rules, args: tuple, kwargs: dict) -> An
         per_signature = _SHARED_REWRITES.setdefault(fn, {})
     except TypeError:  # No weak reference to `fn`.
         return NotImplemented
-    key = (rules, treedef, is_array, static)
+    arrays = [x for x, a in zip(leaves, is_array) if a]
+    # Under second-order differentiation FP8 products save other residuals.
+    second_order = may_scale(rules) and differentiation_depth(*arrays) >= 2
+    key = (rules, treedef, is_array, static, second_order)
     if key not in per_signature:
         ref = weakref.ref(fn)
         values = [None if a else x for x, a in zip(leaves, is_array)]  # Plain values only.
@@ -276,7 +281,8 @@ def _shared_rewrite(fn: Callable, rules: Rules, args: tuple, kwargs: dict) -> An
             return trace_and_eval(lambda a, k: f(*a, **k), jax.tree.unflatten(treedef, full), rules)
 
         per_signature[key] = ji.inlined_jit(rewritten)
-    return per_signature[key](*[x for x, a in zip(leaves, is_array) if a])
+    with traced_for(arrays) if second_order else contextlib.nullcontext():
+        return per_signature[key](*arrays)
 
 
 def clear_shared_traces() -> None:

@@ -415,9 +415,14 @@ def saved_residuals(fn: Callable, *args: Any) -> list[tuple[jax.ShapeDtypeStruct
         dtype, shape, where = match.groups()
         shape = tuple(int(d) for d in shape.split(",") if d)
         found.append(
-            (jax.ShapeDtypeStruct(shape, jnp.dtype(_SHORT_DTYPES.get(dtype, dtype))), where)
+            (jax.ShapeDtypeStruct(shape, jnp.dtype(_long_dtype(dtype))), where)
         )
     return found
+
+
+def _long_dtype(short: str) -> str:
+    """A dtype's name from HLO's short form ('bf16'; FP8 and FP4 residuals: 'f8_e4m3fn')."""
+    return _SHORT_DTYPES.get(short) or re.sub(r"^f(\d+)_", r"float\1_", short)
 
 
 # print_saved_residuals writes dtypes in HLO's short form.
@@ -425,6 +430,4 @@ _SHORT_DTYPES = {
     "f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64",
     "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64", "bool": "bool",
     "u8": "uint8", "u32": "uint32", "c64": "complex64", "c128": "complex128",
-    # FP8 residuals (of FP8 code that saves its FP8 operands).
-    "f8_e4m3fn": "float8_e4m3fn", "f8_e5m2": "float8_e5m2",
 }  # fmt: skip

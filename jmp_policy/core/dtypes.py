@@ -16,6 +16,8 @@ from jax import lax
 
 F32 = np.dtype(np.float32)
 HALF_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+# The matmul dtypes whose products need scales: FP8 (e4m3) and FP4 (e2m1).
+SCALED_MATMUL_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float4_e2m1fn))
 
 
 def is_float(x: Any) -> bool:

@@ -12,13 +12,18 @@ pass, where other dimensions are contracted, row-wise scaling re-scales the
 operands along them: the output gradient per row for `d lhs` and per column
 for `d rhs`, each saved operand along its forward-contracted dimensions.
 
+The block formats (`"mxfp8"`, `"nvfp4"`) are `block_scaling`'s; `fp8_product`
+and `fp8_dot_general` serve all four.
+
 Three layers of custom rules:
 
 * A `jax.custom_vjp` on the whole product: its backward products are FP8
-  too. It saves the operands in their own dtype (the compute dtype under a
-  policy), not the FP8 copies, and quantises them again in the backward pass:
-  forward-over-reverse needs their tangents, which an FP8 residual could only
-  carry in FP8.
+  too. It saves what `residuals` decides: the e4m3 operands the backward
+  products take (per tensor, the forward's own; row-wise, quantized along
+  the other axes) and their scales; or, under second-order differentiation,
+  the operands in their own dtype (the compute dtype under a policy),
+  quantized again in the backward pass: forward-over-reverse needs their
+  tangents, which an FP8 residual could only carry in FP8.
 * Each FP8 product (the forward one, and each of the two backward ones) is a
   `jax.custom_jvp` whose tangent is the same product in the operands' dtype
   with float32 accumulation, as if the rounding to FP8 were the identity
@@ -44,6 +49,7 @@ import numpy as np
 from jax import lax
 
 from jmp_policy.core import jax_internals as ji
+from jmp_policy.core.block_scaling import FORMATS, block_scaled_product
 from jmp_policy.core.dtypes import F32, cast, is_float, widest
 from jmp_policy.core.matmul import (
     _accumulate_in_float32,
@@ -55,6 +61,7 @@ from jmp_policy.core.matmul import (
     shared_factory,
 )
 from jmp_policy.core.policy import check_scaling
+from jmp_policy.core.residuals import check_residuals, residual_form, to_be_saved_quantized
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -192,6 +199,18 @@ def _transposed(product: Any, lhs: Any, rhs: Any, side: str) -> Bilinear:
     return run
 
 
+def _scaled_bilinear(
+    bilinear: Bilinear,
+    qa: jax.Array,
+    qb: jax.Array,
+    scales: tuple[jax.Array, jax.Array],
+    place: tuple[Callable[[Any], Any], Callable[[Any], Any]],
+) -> jax.Array:
+    """`bilinear(qa, qb)` of FP8 operands with their scales applied to the float32 result."""
+    # One scale after the other: their product could underflow on its own.
+    return bilinear(qa, qb) * place[0](scales[0]) * place[1](scales[1])
+
+
 def _fp8_bilinear(
     bilinear: Bilinear,
     a: jax.Array,
@@ -212,8 +231,7 @@ def _fp8_bilinear(
     def f(a, b, sa, sb):
         qa = fp8_quantize(a, sa, formats[0][0], formats[0][1])
         qb = fp8_quantize(b, sb, formats[1][0], formats[1][1])
-        # One scale after the other: their product could underflow on its own.
-        return bilinear(qa, qb) * place[0](sa) * place[1](sb)
+        return _scaled_bilinear(bilinear, qa, qb, (sa, sb), place)
 
     @f.defjvp
     def f_jvp(primals, tangents):
@@ -234,21 +252,33 @@ def fp8_product(
     scaling: str = "tensor",
     precision: lax.PrecisionLike = None,
     out_sharding: Any = None,
+    residuals: str | None = None,
 ) -> jax.Array:
-    """`lax.dot_general(lhs, rhs, dims)` in FP8 with current scaling, both passes.
+    """`lax.dot_general(lhs, rhs, dims)` in FP8 (or FP4) with `scaling`, both passes.
 
-    Forward: each operand is scaled (per tensor, or per row along its
-    non-contracting axes) to e4m3; the e4m3 operands go into the product
-    directly, accumulating in float32; the result is multiplied by the
-    scales and cast to `out_dtype`. The operands are saved as they are
-    (with the per-tensor scales). Backward: the output gradient is scaled to
-    e5m2 (per tensor, or per row of the axes each backward product keeps) and
-    each transposed product takes it and an e4m3 operand (re-scaled along the
-    axes that product keeps), accumulating in float32; the scales are applied
-    to the float32 results.
+    Current scaling (`"tensor"`, `"rowwise"`): each operand is scaled (per
+    tensor, or per row along its non-contracting axes) to e4m3; the e4m3
+    operands go into the product directly, accumulating in float32; the
+    result is multiplied by the scales and cast to `out_dtype`. Backward: the
+    output gradient is scaled to e5m2 (per tensor, or per row of the axes
+    each backward product keeps) and each transposed product takes it and an
+    e4m3 operand (scaled along the axes that product keeps), accumulating in
+    float32. The block formats (`"mxfp8"`, `"nvfp4"`): `block_scaling`.
+    What is saved for the backward pass: `residuals`' choice (None: as
+    `residuals.fp8_residuals` sets it), the operands under second order.
     """
+    dims = dims_key(dims)
+    form = residual_form(residuals, lhs, rhs)
+    if scaling in FORMATS:
+        return call_reverse_mode_only(
+            functools.partial(
+                block_scaled_product, dims=dims, out_dtype=out_dtype, fmt=scaling,
+                residuals=form, out_sharding=out_sharding,
+            ),
+            lhs, rhs, _JVP_UNSUPPORTED,
+        )  # fmt: skip
     f = _shared_fp8_product(
-        dims_key(dims), np.dtype(out_dtype), check_scaling(scaling), precision, out_sharding,
+        dims, np.dtype(out_dtype), check_scaling(scaling), precision, out_sharding, form,
         # A trace made under the other setting of the CPU form is not reused.
         cpu_form=cpu_form_in_use(),
     )  # fmt: skip
@@ -262,6 +292,7 @@ def _shared_fp8_product(
     scaling: str,
     precision: Any,
     out_sharding: Any,
+    residuals: str,
     *,
     cpu_form: bool,
 ) -> Callable:
@@ -271,7 +302,7 @@ def _shared_fp8_product(
     return ji.inlined_jit(
         functools.partial(
             _fp8_product, dims=dims, out_dtype=out_dtype, rowwise=scaling == "rowwise",
-            product=dot_product(dims, precision, out_sharding),
+            product=dot_product(dims, precision, out_sharding), residuals=residuals,
         )
     )  # fmt: skip
 
@@ -284,17 +315,26 @@ def _fp8_product(
     out_dtype: np.dtype,
     rowwise: bool,
     product: Callable,
+    residuals: str,
 ) -> jax.Array:
     layout = _Layout(dims, lhs.ndim, rhs.ndim)
     lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
     t_lhs, t_rhs = _transposed(product, lhs, rhs, "lhs"), _transposed(product, lhs, rhs, "rhs")
     e4m3, e5m2 = (E4M3, E4M3_MAX), (E5M2, E5M2_MAX)
+    axes = layout.backward_axes
 
     def scale(x, fmt, axes):
         return fp8_scale(x, fmt[1], axes if rowwise else None)
 
     def placer(src, dst):
         return lambda s: layout.place(s, src, dst)
+
+    def gradient_scales(g):
+        """The output gradient's scales for `d lhs` and for `d rhs`."""
+        if rowwise:
+            return scale(g, e5m2, axes["out for d lhs"]), scale(g, e5m2, axes["out for d rhs"])
+        sg = scale(g, e5m2, None)
+        return sg, sg
 
     @jax.custom_vjp
     def f(lhs, rhs):
@@ -307,27 +347,38 @@ def _fp8_product(
             lambda a, b: product(a, b, F32), lhs, rhs, (sl, sr), (e4m3, e4m3),
             (placer("lhs", "out"), placer("rhs", "out")),
         )  # fmt: skip
-        # Per tensor, the backward products reuse the forward scales.
-        return cast(out, out_dtype), (lhs, rhs, () if rowwise else (sl, sr))
+        if rowwise:  # The backward products keep other axes: scaled along those.
+            sl, sr = scale(lhs, e4m3, axes["lhs"]), scale(rhs, e4m3, axes["rhs"])
+        if residuals == "operands":
+            return cast(out, out_dtype), (lhs, rhs, sl, sr)
+        # The e4m3 operands as the backward products take them (per tensor,
+        # the forward's own).
+        lhs, rhs = to_be_saved_quantized((lhs, rhs))
+        quantized = (fp8_quantize(lhs, sl, *e4m3), fp8_quantize(rhs, sr, *e4m3))
+        return cast(out, out_dtype), (*quantized, sl, sr)
 
     def bwd(res, g):
-        lhs, rhs, saved = res
-        axes = layout.backward_axes
-        if rowwise:
-            sl, sr = scale(lhs, e4m3, axes["lhs"]), scale(rhs, e4m3, axes["rhs"])
-            sg_lhs, sg_rhs = (
-                scale(g, e5m2, axes["out for d lhs"]),
-                scale(g, e5m2, axes["out for d rhs"]),
-            )
+        sg_lhs, sg_rhs = gradient_scales(g)
+        if residuals == "operands":
+            lhs, rhs, sl, sr = res
+            lhs_bar = _fp8_bilinear(
+                t_lhs, g, rhs, (sg_lhs, sr), (e5m2, e4m3),
+                (placer("out", "lhs"), placer("rhs", "lhs")),
+            )  # fmt: skip
+            rhs_bar = _fp8_bilinear(
+                t_rhs, g, lhs, (sg_rhs, sl), (e5m2, e4m3),
+                (placer("out", "rhs"), placer("lhs", "rhs")),
+            )  # fmt: skip
         else:
-            sl, sr = saved
-            sg_lhs = sg_rhs = scale(g, e5m2, None)
-        lhs_bar = _fp8_bilinear(
-            t_lhs, g, rhs, (sg_lhs, sr), (e5m2, e4m3), (placer("out", "lhs"), placer("rhs", "lhs"))
-        )
-        rhs_bar = _fp8_bilinear(
-            t_rhs, g, lhs, (sg_rhs, sl), (e5m2, e4m3), (placer("out", "rhs"), placer("lhs", "rhs"))
-        )
+            ql, qr, sl, sr = res
+            lhs_bar = _scaled_bilinear(
+                t_lhs, fp8_quantize(g, sg_lhs, *e5m2), qr, (sg_lhs, sr),
+                (placer("out", "lhs"), placer("rhs", "lhs")),
+            )  # fmt: skip
+            rhs_bar = _scaled_bilinear(
+                t_rhs, fp8_quantize(g, sg_rhs, *e5m2), ql, (sg_rhs, sl),
+                (placer("out", "rhs"), placer("lhs", "rhs")),
+            )  # fmt: skip
         return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
 
     # Traced once per shape signature: every product of it shares this backward.
@@ -354,56 +405,70 @@ def fp8_dot_general(
     *,
     out_sharding: Any = None,
     scaling: str = "tensor",
+    residuals: str | None = None,
 ) -> jax.Array:
-    """`lax.dot_general` in FP8 (e4m3 forward, e5m2 gradients), float32 accumulation.
+    """`lax.dot_general` in FP8 (or FP4), float32 accumulation, both passes.
 
     A drop-in for `lax.dot_general` (same arguments and result dtype), e.g. for
-    Flax's `nn.Dense(..., dot_general=fp8_dot_general)`; what a policy with
-    `matmul_dtype=float8_e4m3fn` (`"mixed_float8"`, `"mixed_float8_rowwise"`)
-    puts in every layer. Current scaling, stateless: each operand is divided
-    by a power of two `s >= amax / 448` computed in this step, rounded to
-    float8_e4m3fn, and the FP8 operands go into `lax.dot_general` directly
-    (`preferred_element_type=float32`, the form XLA's GPU compiler runs as an
-    FP8 GEMM on Hopper); the result is multiplied by the scales. A
-    `jax.custom_vjp` makes the backward products FP8 too: the output gradient
-    is scaled to float8_e5m2 (max 57344, more range, 2 mantissa bits) and
-    multiplied by the e4m3 operands, accumulating in float32. Cotangents come
-    back in the operands' own dtypes.
+    Flax's `nn.Dense(..., dot_general=fp8_dot_general)`; what a policy with an
+    FP8 or FP4 matmul dtype (`"mixed_float8"`, `"mixed_float8_rowwise"`,
+    `"mixed_mxfp8"`, `"mixed_nvfp4"`) puts in every layer. Stateless: every
+    scale is computed from this step's values. A `jax.custom_vjp` makes the
+    backward products low-precision too; cotangents come back in the
+    operands' own dtypes.
 
-    `scaling="tensor"` takes one amax per operand. `"rowwise"` one per row:
-    per index of the dimensions an operand is not contracted over (batch and
-    free), so an outlier in one row (one token, one sample) leaves the other
-    rows' precision alone; backward, the output gradient is scaled per row for
-    `d lhs` and per column for `d rhs`, and each operand along its
-    forward-contracted dimensions, so that every product's scales stay
-    outside its sum. It costs three more amax reductions per product (six
-    against three: the output gradient twice, each operand again in the
-    backward pass), and on GPU the per-row rescale of the result is an
-    epilogue outside cuBLASLt's per-tensor-scaled FP8 GEMM.
+    `scaling="tensor"`: each operand is divided by a power of two
+    `s >= amax / 448`, rounded to float8_e4m3fn, and the FP8 operands go into
+    `lax.dot_general` directly (`preferred_element_type=float32`, the form
+    XLA's GPU compiler runs as an FP8 GEMM on Hopper); the result is
+    multiplied by the scales. Backward, the output gradient is scaled to
+    float8_e5m2 (max 57344, 2 mantissa bits). `"rowwise"`: one scale per
+    row, per index of the dimensions an operand is not contracted over, so an
+    outlier in one row (one token, one sample) leaves the other rows alone;
+    backward, the output gradient is scaled per row for `d lhs` and per
+    column for `d rhs`, and each operand along its forward-contracted
+    dimensions, so that every product's scales stay outside its sum (on GPU
+    the per-row rescale is an epilogue outside cuBLASLt's FP8 GEMM).
+    `"mxfp8"`: e4m3 elements with a power-of-two scale (float8_e8m0fnu) per
+    block of 32 along the contraction, gradients too. `"nvfp4"`:
+    float4_e2m1fn elements with a float8_e4m3fn scale per block of 16 and a
+    float32 scale per tensor; gradients rounded stochastically, and a random
+    Hadamard transform before the product contracting the rows. The block
+    formats run through `jax.nn.scaled_matmul` (natively on NVIDIA
+    Blackwell, emulated on CPU); see the FP8 guide for the recipes followed.
+
+    What the forward pass saves (`residuals`): `"quantized"` (the default,
+    or what `fp8_residuals` sets) saves the low-precision copies of the
+    operands the backward products take; a product differentiated twice
+    (`jax.hessian`, `jax.jvp` of `jax.grad`, seen as it is traced) saves the
+    operands themselves and quantizes them again, with tangents carried in
+    the operands' dtype; `"operands"` always does. Forward mode of the
+    product itself is not supported.
 
     Errors: e4m3 keeps 3 mantissa bits, a relative rounding error of at most
-    2^-4 per operand element; e5m2 2^-3. Operands whose scaled values are
-    e4m3 numbers (e.g. small integers times a power of two) multiply exactly.
-    An inf or NaN in an operand or gradient gives a non-finite result (the
-    scale carries it), so `loss_scaled` skips the step. Non-floating
-    operands fall back to `lax.dot_general`. Forward over reverse
-    (`jax.hessian`, `jax.jvp` of `jax.grad`) is supported, the tangents
-    carried in the operands' dtype; forward mode of the product itself is not.
+    2^-4 per operand element; e5m2 2^-3; e2m1 1 bit. Operands whose scaled
+    values are e4m3 numbers (e.g. small integers times a power of two)
+    multiply exactly. An inf or NaN in an operand or gradient gives a
+    non-finite result (the scale carries it), so `loss_scaled` skips the
+    step. An empty operand gives what `lax.dot_general` gives; non-floating
+    operands fall back to `lax.dot_general`.
 
     `lhs`, `rhs`, `dimension_numbers`, `precision`, `preferred_element_type`
     and `out_sharding` are as in `lax.dot_general`.
 
     Args:
-      scaling: `"tensor"` (one scale per operand) or `"rowwise"` (one per row).
+      scaling: `"tensor"`, `"rowwise"`, `"mxfp8"` or `"nvfp4"`.
+      residuals: `"quantized"`, `"operands"`, or None (as `fp8_residuals` sets).
 
     Returns:
       The product, in the dtype `lax.dot_general` would give.
 
     Raises:
-      ValueError: if `scaling` is not `"tensor"` or `"rowwise"`.
+      ValueError: if `scaling` or `residuals` is not one of those.
       TypeError: if the operands' shapes do not fit `dimension_numbers`
         (naming the dimensions, as `lax.dot_general` does); under
-        forward-mode differentiation of the product (`jax.jvp`, `jax.jacfwd`).
+        forward-mode differentiation of the product (`jax.jvp`, `jax.jacfwd`),
+        or of quantized residuals (see `fp8_residuals`).
 
     >>> import jax, jax.numpy as jnp
     >>> from jmp_policy import fp8_dot_general
@@ -417,8 +482,12 @@ def fp8_dot_general(
     >>> x = x.at[0, 0].set(1e6)  # an outlier: row-wise, the other row stays exact
     >>> float(fp8_dot_general(x, w, (((1,), (0,)), ((), ())), scaling="rowwise")[1, 0])
     4.5
+    >>> float(fp8_dot_general(x, w, (((1,), (0,)), ((), ())), scaling="mxfp8")[1, 0])
+    4.5
     """
     check_scaling(scaling)
+    if residuals is not None:
+        check_residuals(residuals)
     dims = dims_key(dimension_numbers)
     if not (is_float(lhs) and is_float(rhs)):
         return lax.dot_general(lhs, rhs, dims, precision, preferred_element_type,
@@ -426,4 +495,4 @@ def fp8_dot_general(
     lhs, rhs, out_dtype = float_dot_operands(
         lhs, rhs, dims, precision, preferred_element_type, "fp8_dot_general"
     )
-    return fp8_product(lhs, rhs, dims, out_dtype, scaling, precision, out_sharding)
+    return fp8_product(lhs, rhs, dims, out_dtype, scaling, precision, out_sharding, residuals)

@@ -30,11 +30,12 @@ import numpy as np
 
 from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.dtypes import F32 as _F32
-from jmp_policy.core.dtypes import cast, is_complex, is_float, widest
-from jmp_policy.core.fp8 import E4M3 as _E4M3
+from jmp_policy.core.block_scaling import block_scaled_product
+from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, cast, is_complex, is_float, widest
 from jmp_policy.core.fp8 import fp8_product
 from jmp_policy.core.matmul import accumulating_dot, accumulating_product, product_of
 from jmp_policy.core.matmul_dtype import asks_full_precision
+from jmp_policy.core.residuals import traced_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Rules:
     # The policy's matmul dtype: every dot_general takes its product (None:
     # the compute dtype, as above).
     matmul_dtype: np.dtype | None = None
-    # Under an FP8 matmul dtype: "tensor" or "rowwise" scaling.
+    # Under an FP8 or FP4 matmul dtype: its scaling ("tensor", "rowwise", "mxfp8", "nvfp4").
     fp8_scaling: str = "tensor"
     # Whether `matmul_scope` markers in a product's name stack choose its
     # matmul dtype (`matmul_dtype` where there is none); a product whose
@@ -157,10 +158,10 @@ def _custom_jvp_rule(eqn, invals, rules):
     return f(*args)
 
 
-# jmp_policy's own products (half and FP8) are `custom_vjp`s already decided.
+# jmp_policy's own products (half, FP8, block-scaled) are `custom_vjp`s already decided.
 _OWN_PRODUCTS = frozenset(
     os.path.abspath(str(sys.modules[f.__module__].__file__))
-    for f in (accumulating_dot, fp8_product)
+    for f in (accumulating_dot, fp8_product, block_scaled_product)
 )
 
 
@@ -247,7 +248,7 @@ def matmul_scope(
 ) -> contextlib.AbstractContextManager:
     """Marks the products traced inside it for `matmuls_in(..., scoped=True)`.
 
-    They take `matmul_dtype` (None: as written; FP8 with `fp8_scaling`)
+    They take `matmul_dtype` (None: as written; FP8 or FP4 with `fp8_scaling`)
     whatever the code around them takes.
     """
     name = "none" if matmul_dtype is None else np.dtype(matmul_dtype).name
@@ -274,12 +275,12 @@ def _matmul_dtype_product(eqn, invals, rules):
     lhs, rhs = invals
     product, out_dtype = product_of(eqn), eqn.outvars[0].aval.dtype
     if rules.products == "vjp":
-        if m == _E4M3:
+        if m in SCALED_MATMUL_DTYPES:
             p = ji.dot_params(eqn)
             return fp8_product(lhs, rhs, p.dimension_numbers, out_dtype, scaling,
                                p.precision, p.out_sharding)  # fmt: skip
         return _accumulating(eqn, product, lhs, rhs, m, out_dtype)
-    if m == _E4M3:
+    if m in SCALED_MATMUL_DTYPES:
         # Inside a JVP rule JAX transposes the products itself, which an
         # unscaled FP8 cast cannot survive: the compute dtype there.
         return None
@@ -370,6 +371,11 @@ def _apply(eqn, invals, rules):
     return ji.bind(eqn, args)
 
 
+def may_scale(rules: Rules) -> bool:
+    """Whether products under `rules` may be FP8 or FP4 (a scope may say so)."""
+    return rules.scoped or rules.matmul_dtype in SCALED_MATMUL_DTYPES
+
+
 def trace_and_eval(fn, args, rules):
     """Traces `fn(*args)` and runs it again under `rules`; array leaves are traced."""
     leaves, treedef = jax.tree.flatten(args)
@@ -396,15 +402,17 @@ def trace_and_eval(fn, args, rules):
         return [x for x in results if isinstance(x, arrays)]
 
     values = [leaves[i] for i in dynamic]
-    try:
-        closed = jax.make_jaxpr(traced_fn)(*values)
-    except TypeError as e:
-        # A write into a buffer of another dtype (a bf16 cache given to a
-        # float32 program) is refused as written; it takes the buffer's dtype.
-        if not ji.is_write_dtype_mismatch(e):
-            raise
-        with ji.writes_take_the_buffer_dtype():
+    # FP8 products traced on the stand-ins save what the values' derivatives need.
+    with traced_for(values) if may_scale(rules) else contextlib.nullcontext():
+        try:
             closed = jax.make_jaxpr(traced_fn)(*values)
+        except TypeError as e:
+            # A write into a buffer of another dtype (a bf16 cache given to a
+            # float32 program) is refused as written; it takes the buffer's dtype.
+            if not ji.is_write_dtype_mismatch(e):
+                raise
+            with ji.writes_take_the_buffer_dtype():
+                closed = jax.make_jaxpr(traced_fn)(*values)
     outs = iter(_eval(closed.jaxpr, closed.consts, values, rules))
     full = [next(outs) if x is _TRACED else x for x in out_leaves]
     return jax.tree.unflatten(out_tree[0], full)

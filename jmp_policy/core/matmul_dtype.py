@@ -11,10 +11,10 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES
 from jmp_policy.core.fp8 import fp8_dot_general
 from jmp_policy.core.matmul import half_dot_general
 
@@ -48,14 +48,15 @@ def matmul_dot_general(
 ) -> Callable | None:
     """The `dot_general` a policy's `matmul_dtype` asks for (None: the layers' own).
 
-    `fp8_scaling` (`"tensor"` or `"rowwise"`) applies to an FP8 matmul dtype.
+    `fp8_scaling` (`"tensor"`, `"rowwise"`, `"mxfp8"`, `"nvfp4"`) applies to an
+    FP8 or FP4 matmul dtype.
     A product the layer asks for at full precision (`precision=HIGHEST`) runs
     as `lax.dot_general`. One object per argument pair, so that modules given
     it compare equal across calls.
     """
     if matmul_dtype is None:
         return None
-    if np.dtype(matmul_dtype) == np.dtype(jnp.float8_e4m3fn):
+    if np.dtype(matmul_dtype) in SCALED_MATMUL_DTYPES:
         product = functools.partial(fp8_dot_general, scaling=fp8_scaling)
     else:
         product = functools.partial(half_dot_general, compute_dtype=np.dtype(matmul_dtype))

@@ -45,28 +45,32 @@ _PRESETS = {
     "mixed_float16": "p=f32,c=f16,o=f32",
     "mixed_float8": "p=f32,c=bf16,o=f32,m=f8",
     "mixed_float8_rowwise": "p=f32,c=bf16,o=f32,m=f8_rowwise",
+    "mixed_mxfp8": "p=f32,c=bf16,o=f32,m=mxfp8",
+    "mixed_nvfp4": "p=f32,c=bf16,o=f32,m=nvfp4",
 }
-# The matmul dtype (`m=`): half operands with float32 accumulation, or FP8
-# (e4m3 forward, e5m2 output gradients). Names only the `m` key accepts.
-_MATMUL_NAMES = {
-    np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
-    np.dtype(np.float16): ("f16", "float16"),
-    np.dtype(jnp.float8_e4m3fn): ("f8", "float8", "float8_e4m3fn"),
-}
-_NAME_TO_MATMUL = {n: d for d, names in _MATMUL_NAMES.items() for n in names}
 _FP8 = np.dtype(jnp.float8_e4m3fn)
-# An FP8 name with this suffix (`m=f8_rowwise`): row-wise scaling.
-_ROWWISE = "_rowwise"
-_ACCEPTED_MATMUL_DTYPES = ", ".join([*_NAME_TO_MATMUL, "half"])
-_ACCEPTED_MATMUL = ", ".join(
-    [*_NAME_TO_MATMUL, "half", *(n + _ROWWISE for n in _MATMUL_NAMES[_FP8])]
-)
+_FP4 = np.dtype(jnp.float4_e2m1fn)
+# How a low-precision matmul dtype is scaled: FP8 with current scaling per
+# tensor or per row, or one scale per block of the contraction (the block
+# formats MXFP8 and NVFP4). The scalings each dtype takes, its default first.
+SCALINGS = ("tensor", "rowwise", "mxfp8", "nvfp4")
+_SCALINGS_OF = {_FP8: ("tensor", "rowwise", "mxfp8"), _FP4: ("nvfp4",)}
+# The matmul dtype (`m=`) with its scaling, by name: half operands with float32
+# accumulation, FP8 (e4m3 forward, e5m2 output gradients) or a block format.
+# Names only the `m` key accepts; the first of each is what `str` prints.
+_MATMUL_NAMES = {
+    (np.dtype(jnp.bfloat16), "tensor"): ("bf16", "bfloat16"),
+    (np.dtype(np.float16), "tensor"): ("f16", "float16"),
+    (_FP8, "tensor"): ("f8", "float8", "float8_e4m3fn"),
+    (_FP8, "rowwise"): ("f8_rowwise", "float8_rowwise", "float8_e4m3fn_rowwise"),
+    (_FP8, "mxfp8"): ("mxfp8",),
+    (_FP4, "nvfp4"): ("nvfp4",),
+}
+_NAME_TO_MATMUL = {n: key for key, names in _MATMUL_NAMES.items() for n in names}
+_MATMUL_DTYPES = {dtype for dtype, _ in _MATMUL_NAMES}
+_ACCEPTED_MATMUL = ", ".join([*_NAME_TO_MATMUL, "half"])
 _ACCEPTED_DTYPES = ", ".join([*_NAME_TO_DTYPE, "half"])
 _ACCEPTED_KEYS = ", ".join(_KEYS)
-
-
-# How an FP8 matmul dtype is scaled: one scale per tensor, or per row.
-SCALINGS = ("tensor", "rowwise")
 
 
 def check_scaling(scaling: Any, name: str = "scaling") -> str:
@@ -77,10 +81,16 @@ def check_scaling(scaling: Any, name: str = "scaling") -> str:
     """
     if not (isinstance(scaling, str) and scaling in SCALINGS):
         raise ValueError(
-            f"{name} must be one of {', '.join(map(repr, SCALINGS))} (one FP8 scale per "
-            f"tensor, or one per row along the non-contracting dimensions), got {scaling!r}."
+            f"{name} must be one of {', '.join(map(repr, SCALINGS))} (FP8 with one scale "
+            "per tensor, or one per row along the non-contracting dimensions; the block "
+            f"formats MXFP8 and NVFP4), got {scaling!r}."
         )
     return scaling
+
+
+def scalings_of(matmul_dtype: np.dtype | None) -> tuple[str, ...]:
+    """The scalings a matmul dtype takes, its default first."""
+    return _SCALINGS_OF.get(matmul_dtype, ("tensor",)) if matmul_dtype is not None else ("tensor",)
 
 
 def half_dtype() -> type[Any]:
@@ -124,29 +134,44 @@ def _to_float_dtype(value: Any, field: str) -> np.dtype:
     return dtype
 
 
-def _to_matmul_dtype(value: Any) -> np.dtype | None:
-    """Normalises a matmul dtype-like (or a spec name such as 'f8'); None stays None."""
+def _to_matmul_dtype(value: Any) -> tuple[np.dtype | None, str | None]:
+    """`(dtype, the scaling its name implies or None)` of a matmul dtype-like or spec
+    name ('f8', 'mxfp8'); None stays None."""
     if value is None:
-        return None
+        return None, None
     if isinstance(value, str) and (value in _NAME_TO_MATMUL or value == "half"):
-        return _parse_matmul_dtype(value)
-    dtype = None
+        named, scaling = _parse_matmul(value)
+        # A name of a dtype alone ('f8') leaves the scaling to the field.
+        alone = value == "half" or value in _MATMUL_NAMES.get((named, "tensor"), ())
+        return named, None if alone else scaling
+    dtype: np.dtype | None = None
     if not isinstance(value, (jax.Array, np.ndarray)):
         try:
             dtype = np.dtype(value)
         except Exception:  # numpy raises TypeError, ValueError, even SyntaxError.
             pass
-    if dtype not in _MATMUL_NAMES:
+    if dtype not in _MATMUL_DTYPES:
         raise TypeError(
-            "Policy.matmul_dtype must be None, bfloat16, float16 or float8_e4m3fn (a "
-            f"dtype or one of the names {_ACCEPTED_MATMUL_DTYPES}), got {value!r}"
-            + (
-                "; row-wise FP8 scaling is the field fp8_scaling='rowwise'."
-                if isinstance(value, str) and value.endswith(_ROWWISE)
-                else "."
-            )
+            "Policy.matmul_dtype must be None, bfloat16, float16, float8_e4m3fn or "
+            f"float4_e2m1fn (a dtype or one of the names {_ACCEPTED_MATMUL}), got {value!r}."
         )
-    return dtype
+    return dtype, None
+
+
+def _check_matmul_scaling(dtype: np.dtype | None, scaling: str) -> str:
+    """`scaling` if `dtype` takes it; the dtype's own where it takes only one (FP4)."""
+    accepted = scalings_of(dtype)
+    if scaling in accepted:
+        return scaling
+    if scaling == "tensor" and len(accepted) == 1:
+        return accepted[0]  # float4_e2m1fn has one recipe, NVFP4's block scaling.
+    needed = next(d for d, names in _SCALINGS_OF.items() if scaling in names)
+    name = _MATMUL_NAMES[needed, scaling][0]
+    raise ValueError(
+        f"Policy.fp8_scaling={scaling!r} needs the matmul dtype {needed.name} (spec "
+        f"m={name}), got matmul_dtype={dtype}; with this matmul dtype fp8_scaling must be "
+        f"one of {', '.join(map(repr, accepted))}."
+    )
 
 
 def _refuse_haiku(policy: Policy, matmul_dtype: np.dtype, caller: types.FrameType) -> None:
@@ -201,20 +226,25 @@ class Policy:
         default, as in jmp): layers multiply in the compute dtype.
         bfloat16/float16: half operands with float32 accumulation and
         float32 results, forward and backward (`half_dot_general`).
-        float8_e4m3fn: FP8 products with per-tensor current scaling, e4m3
-        operands forward and an e5m2 output gradient backward, float32
-        accumulation (`fp8_dot_general`). Convolutions run in the compute
-        dtype under an FP8 policy.
-      fp8_scaling: under an FP8 `matmul_dtype`, `"tensor"` (the default: one
-        scale per operand) or `"rowwise"` (one per row along the dimensions a
-        product does not contract, so an outlier only coarsens its own row);
-        spelt `m=f8_rowwise` in a spec (preset `mixed_float8_rowwise`).
+        float8_e4m3fn: FP8 products, float32 accumulation, scaled as
+        `fp8_scaling` says (`fp8_dot_general`). float4_e2m1fn: NVFP4's
+        block-scaled FP4 products. A name with its scaling is accepted too
+        (`"mxfp8"`, `"nvfp4"`, `"f8_rowwise"`). Convolutions run in the
+        compute dtype under these policies.
+      fp8_scaling: under an FP8 `matmul_dtype`, `"tensor"` (the default:
+        current scaling, one scale per operand; e5m2 output gradients),
+        `"rowwise"` (one per row along the dimensions a product does not
+        contract, so an outlier only coarsens its own row; spec
+        `m=f8_rowwise`) or `"mxfp8"` (OCP MXFP8: a power-of-two scale per
+        block of 32 along the contraction, e4m3 everywhere; spec `m=mxfp8`).
+        float4_e2m1fn takes `"nvfp4"` only (and gets it): a float8 scale per
+        block of 16 and one per tensor (spec `m=nvfp4`).
 
     Raises:
       TypeError: if a dtype is not a floating dtype, or `matmul_dtype` is not
         None or one of the matmul dtypes above.
-      ValueError: if `fp8_scaling` is not `"tensor"` or `"rowwise"`, or is
-        `"rowwise"` without an FP8 `matmul_dtype`.
+      ValueError: if `fp8_scaling` is not one of those, or is one the
+        `matmul_dtype` does not take.
 
     >>> import jax.numpy as jnp
     >>> import jmp_policy as jmp
@@ -235,14 +265,17 @@ class Policy:
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             dtype = _to_float_dtype(getattr(self, field), field)
             object.__setattr__(self, field, dtype)
-        object.__setattr__(self, "matmul_dtype", _to_matmul_dtype(self.matmul_dtype))
-        check_scaling(self.fp8_scaling, "Policy.fp8_scaling")
-        if self.fp8_scaling != "tensor" and self.matmul_dtype != _FP8:
-            raise ValueError(
-                f"Policy.fp8_scaling={self.fp8_scaling!r} needs the FP8 matmul dtype "
-                f"(matmul_dtype=float8_e4m3fn, spec m=f8{_ROWWISE}), got matmul_dtype="
-                f"{self.matmul_dtype}; with another matmul dtype fp8_scaling must be 'tensor'."
-            )
+        matmul, implied = _to_matmul_dtype(self.matmul_dtype)
+        scaling = check_scaling(self.fp8_scaling, "Policy.fp8_scaling")
+        if implied is not None and scaling != implied:
+            if scaling != "tensor":
+                raise ValueError(
+                    f"Policy.matmul_dtype={self.matmul_dtype!r} has the scaling {implied!r}, "
+                    f"but fp8_scaling={scaling!r} was given: give one of them."
+                )
+            scaling = implied
+        object.__setattr__(self, "matmul_dtype", matmul)
+        object.__setattr__(self, "fp8_scaling", _check_matmul_scaling(matmul, scaling))
 
     def cast_to_param(self, x: T) -> T:
         """Casts the floating point arrays of a pytree to the param dtype."""
@@ -278,18 +311,24 @@ class Policy:
     def with_matmul_dtype(self, matmul_dtype: Any) -> Policy:
         """Returns a copy of this policy with another matmul dtype (None: the compute dtype).
 
-        A matmul dtype other than FP8 drops the FP8 scaling (back to "tensor").
+        A name with a scaling (`"mxfp8"`, `"f8_rowwise"`) sets it; otherwise the
+        scaling is kept where the new dtype takes it, else the dtype's own.
 
         >>> import jmp_policy as jmp
         >>> str(jmp.get_policy("mixed_bfloat16").with_matmul_dtype("f8"))
         'p=full,c=bf16,o=full,m=f8'
+        >>> str(jmp.get_policy("mixed_float8").with_matmul_dtype("nvfp4"))
+        'p=full,c=bf16,o=full,m=nvfp4'
         """
-        fp8 = _to_matmul_dtype(matmul_dtype) == _FP8
-        scaling = self.fp8_scaling if fp8 else "tensor"
-        return dataclasses.replace(self, matmul_dtype=matmul_dtype, fp8_scaling=scaling)
+        dtype, implied = _to_matmul_dtype(matmul_dtype)
+        scaling = implied or (
+            self.fp8_scaling if self.fp8_scaling in scalings_of(dtype) else scalings_of(dtype)[0]
+        )
+        return dataclasses.replace(self, matmul_dtype=dtype, fp8_scaling=scaling)
 
     def with_fp8_scaling(self, fp8_scaling: str) -> Policy:
-        """Returns a copy of this policy with another FP8 scaling ("tensor" or "rowwise").
+        """Returns a copy of this policy with another scaling of its FP8 matmul dtype
+        (`"tensor"`, `"rowwise"`, `"mxfp8"`).
 
         >>> import jmp_policy as jmp
         >>> str(jmp.get_policy("mixed_float8").with_fp8_scaling("rowwise"))
@@ -303,8 +342,7 @@ class Policy:
         )
         if self.matmul_dtype is None:
             return f"p={p},c={c},o={o}"  # jmp's form, for every jmp policy.
-        m = _MATMUL_NAMES[self.matmul_dtype][0]
-        return f"p={p},c={c},o={o},m={m}{_ROWWISE if self.fp8_scaling == 'rowwise' else ''}"
+        return f"p={p},c={c},o={o},m={_MATMUL_NAMES[self.matmul_dtype, self.fp8_scaling][0]}"
 
 
 def _parse_dtype(value: str) -> np.dtype:
@@ -319,16 +357,9 @@ def _parse_dtype(value: str) -> np.dtype:
 
 
 def _parse_matmul(value: str) -> tuple[np.dtype, str]:
-    """`(matmul dtype, FP8 scaling)` of an `m=` value such as 'bf16' or 'f8_rowwise'."""
-    name = value.removesuffix(_ROWWISE)
-    if name != value and _NAME_TO_MATMUL.get(name) == _FP8:
-        return _FP8, "rowwise"
-    return _parse_matmul_dtype(value), "tensor"
-
-
-def _parse_matmul_dtype(value: str) -> np.dtype:
+    """`(matmul dtype, its scaling)` of an `m=` value such as 'bf16' or 'mxfp8'."""
     if value == "half":
-        return np.dtype(half_dtype())
+        return np.dtype(half_dtype()), "tensor"
     try:
         return _NAME_TO_MATMUL[value]
     except KeyError:
@@ -344,10 +375,11 @@ def get_policy(spec: str | Policy) -> Policy:
     `mixed_float16`) or comma-separated `key=dtype` parts with keys
     `p`/`params`, `c`/`compute`, `o`/`output`, `m`/`matmul`. Params default
     to float32, compute follows params and output follows compute; the
-    matmul dtype (`bf16`, `f16`, or `f8` = float8_e4m3fn; `f8_rowwise` for
-    FP8 with row-wise scaling) is None unless given. Presets: `mixed_float8`
-    is `p=f32,c=bf16,o=f32,m=f8`, `mixed_float8_rowwise`
-    `p=f32,c=bf16,o=f32,m=f8_rowwise`. White space around `,` and `=` is
+    matmul dtype (`bf16`, `f16`, `f8` = float8_e4m3fn, `f8_rowwise` for FP8
+    with row-wise scaling, and the block formats `mxfp8` and `nvfp4`) is None
+    unless given. Presets: `mixed_float8` is `p=f32,c=bf16,o=f32,m=f8`, and
+    `mixed_float8_rowwise`, `mixed_mxfp8`, `mixed_nvfp4` the same with
+    `m=f8_rowwise`, `m=mxfp8`, `m=nvfp4`. White space around `,` and `=` is
     ignored. A `Policy` is returned unchanged.
 
     Args:
@@ -370,6 +402,9 @@ def get_policy(spec: str | Policy) -> Policy:
     'p=full,c=bf16,o=full,m=f8'
     >>> jmp.get_policy("mixed_float8_rowwise").fp8_scaling
     'rowwise'
+    >>> policy = jmp.get_policy("mixed_nvfp4")
+    >>> policy.matmul_dtype, policy.fp8_scaling
+    (dtype(float4_e2m1fn), 'nvfp4')
     """
     if isinstance(spec, Policy):
         return spec
