@@ -41,6 +41,7 @@ from jmp_policy.core.policy import half_dtype
 
 if TYPE_CHECKING:
     from jmp_policy.app.doctor import plot_histogram
+    from jmp_policy.app.fp8_doctor import recommend_fp8_rules
     from jmp_policy.integrations.linen import with_policy
 
 __version__ = "0.2.0"
@@ -48,6 +49,7 @@ __version__ = "0.2.0"
 # Names whose modules import Flax or matplotlib: loaded when first used.
 _LAZY = {
     "plot_histogram": "jmp_policy.app.doctor",
+    "recommend_fp8_rules": "jmp_policy.app.fp8_doctor",
     "with_policy": "jmp_policy.integrations.linen",
 }
 
@@ -109,6 +111,7 @@ __all__ = (
     "half_param_updates",
     "loss_scaled",
     "plot_histogram",
+    "recommend_fp8_rules",
     "select_tree",
     "with_policy",
 )

@@ -2,13 +2,15 @@
 
 Subcommands:
   demo    train one model under four precisions and show what happened
-  doctor  report which gradients float16 / bfloat16 could not hold
+  doctor  report which gradients float16 / bfloat16 could not hold; with --fp8,
+          which modules an FP8 recipe should leave in bf16
   bench   run the benchmarks shipped with the package and print their tables
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import math
 import os
@@ -18,6 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 PROG = "jmp-policy"
+# `doctor --fp8`: the output's largest relative error against float32.
+FP8_TOLERANCE = 0.03
 _DEMO_EXTRA = ("sklearn", "matplotlib", "tqdm")
 _FLAX_EXTRA = ("flax",)  # every command trains a Flax model
 _BENCH_EXTRA = ("jmp",)  # DeepMind's jmp, a baseline
@@ -99,6 +103,7 @@ def _check_demo_extra(command: str) -> None:
 
 def _build_parser() -> _Parser:
     from jmp_policy.app import demo
+    from jmp_policy.app.fp8_doctor import RECIPES as FP8_RECIPES
 
     parser = _Parser(
         prog=PROG,
@@ -189,6 +194,26 @@ def _build_parser() -> _Parser:
     )
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--fp8",
+        metavar="MODEL",
+        help="instead: measure the FP8 recipes on MODEL ('transformer', the example "
+        "Transformer LM, or 'package.module:function' returning (model.apply, variables, "
+        "args) of a linen model) and print the rules that keep its most sensitive modules "
+        "in bf16",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=_positive_float,
+        default=FP8_TOLERANCE,
+        help=f"with --fp8: the output's largest relative error against float32 (default "
+        f"{FP8_TOLERANCE})",
+    )
+    p.add_argument(
+        "--recipes",
+        default=",".join(FP8_RECIPES),
+        help=f"with --fp8: the policies to try, comma-separated (default {','.join(FP8_RECIPES)})",
+    )
 
     p = sub.add_parser(
         "bench",
@@ -225,9 +250,52 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_fp8_doctor(args: argparse.Namespace) -> int:
+    from jmp_policy.app import fp8_doctor
+
+    apply, variables, model_args = _fp8_model(args.fp8, args.seed)
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    try:
+        report = fp8_doctor.recommend_fp8_rules(
+            apply, variables, *model_args, tolerance=args.tolerance, recipes=recipes
+        )
+    except ValueError as e:  # A bad recipe: its message names it.
+        raise _UsageError(f"{PROG} doctor: error: {e}") from None
+    print(f"jmp-policy doctor --fp8 {args.fp8}:")
+    print(report)
+    return 0
+
+
+def _fp8_model(name: str, seed: int) -> tuple:
+    """`(apply, variables, args)` of the model `--fp8` names."""
+    if name == "transformer":
+        import jax
+
+        from jmp_policy.app.benchmarks import _transformer_lm as lm
+
+        batches, _, vocab = lm.make_data(1, seed=seed)
+        model = lm.make_model(vocab)
+        params = lm.init_params(model, "float32", seed)
+        return model.apply, {"params": params}, (jax.numpy.asarray(batches[0, :, :-1]),)
+    module_name, sep, attr = name.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr) if sep else None
+    except (ImportError, AttributeError) as e:
+        raise _UsageError(f"{PROG} doctor: error: --fp8 {name!r}: {e}") from None
+    if not callable(factory):
+        raise _UsageError(
+            f"{PROG} doctor: error: --fp8 takes 'transformer' or 'package.module:function' "
+            f"(a function returning (model.apply, variables, args)), got {name!r}"
+        )
+    return factory()
+
+
 def _run_doctor(args: argparse.Namespace) -> int:
     from jmp_policy.app import demo, doctor
     from jmp_policy.core.diagnostics import diagnose
+
+    if args.fp8 is not None:
+        return _run_fp8_doctor(args)
 
     _check_writable(args.output, "doctor")
     _check_demo_extra("doctor")

@@ -414,9 +414,7 @@ def saved_residuals(fn: Callable, *args: Any) -> list[tuple[jax.ShapeDtypeStruct
             continue
         dtype, shape, where = match.groups()
         shape = tuple(int(d) for d in shape.split(",") if d)
-        found.append(
-            (jax.ShapeDtypeStruct(shape, jnp.dtype(_long_dtype(dtype))), where)
-        )
+        found.append((jax.ShapeDtypeStruct(shape, jnp.dtype(_long_dtype(dtype))), where))
     return found
 
 

@@ -29,8 +29,8 @@ import jax
 import numpy as np
 
 from jmp_policy.core import jax_internals as ji
-from jmp_policy.core.dtypes import F32 as _F32
 from jmp_policy.core.block_scaling import block_scaled_product
+from jmp_policy.core.dtypes import F32 as _F32
 from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, cast, is_complex, is_float, widest
 from jmp_policy.core.fp8 import fp8_product
 from jmp_policy.core.matmul import accumulating_dot, accumulating_product, product_of
