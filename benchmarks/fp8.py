@@ -1,4 +1,4 @@
-"""FP8 training side by side: jmp_policy per tensor and per row, Qwix QT, Flax fp8_ops (see the module)."""
+"""FP8 and FP4 training side by side: jmp_policy, Qwix QT, Flax fp8_ops (see the module)."""
 
 from jmp_policy.app.benchmarks.fp8 import main
 

@@ -142,7 +142,7 @@ def fp8_table():
     """`fp8 --quick` with an uninstalled peer added: `({variant: {row: cell}}, text)`."""
     from jmp_policy.app.benchmarks import fp8
 
-    absent = fp8.Variant("absent peer", "no-such-distribution-jmp-policy", fp8._qwix)
+    absent = fp8.Variant("absent peer", "no-such-distribution-jmp-policy", fp8._flax)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fp8, "VARIANTS", [*fp8.VARIANTS, absent])
         columns, rows, notes = fp8.measure(quick=True)
@@ -175,6 +175,40 @@ def test_fp8_benchmark_jmp_columns(fp8_table):
         assert float(table["jmp rowwise"][f"MLP: outlier {outlier}: other rows"]) < 0.1
 
 
+def test_fp8_benchmark_block_formats(fp8_table):
+    table, text = fp8_table
+    mx, nv = table["jmp mxfp8"], table["jmp nvfp4"]
+    assert mx["MLP: quantized to"] == "f8E4M3FN f8E8M0FNU", text
+    assert nv["MLP: quantized to"] == "f4E2M1FN f8E4M3FN", text
+    # Emulated on CPU: each block-scaled product a float32 dot (14 for NVFP4:
+    # its 6 Hadamard transforms besides the 8 products).
+    assert mx["MLP: FP8 dots fwd / bwd / other"] == "0 / 0 / 8"
+    assert nv["MLP: FP8 dots fwd / bwd / other"] == "0 / 0 / 14"
+    for col in (mx, nv):
+        assert col["MLP: extra state arrays (bytes)"] == "0 (0)"
+        assert col["MLP: NaN batch (loss_scaled)"] == "skipped, recovers"
+        assert col["MLP: all-zero batch"] == "ok, recovers"
+        assert abs(float(col["MLP: loss - float32"])) < 0.05
+    # MXFP8's power-of-two block scales hold every outlier and tiny value;
+    # NVFP4's float32 tensor scale holds tiny values, but one outlier of 1e6
+    # puts the other blocks' e4m3 scales below their range.
+    for row in ("outlier 1e+04: other rows", "outlier 1e+06: other rows", "inputs x1e-20"):
+        assert float(mx[f"MLP: {row}"]) < 0.1, row
+    for row in ("outlier 1e+04: other rows", "inputs x1e-20", "gradients x1e-15"):
+        assert float(nv[f"MLP: {row}"]) < 0.3, row
+    assert float(nv["MLP: outlier 1e+06: other rows"]) > 0.5
+    assert float(mx["MLP: output error (a batch)"]) < 0.1 < float(nv["MLP: output error (a batch)"])
+    # The quantized copies saved for the backward pass: fewer bytes than the
+    # operands (bfloat16) would be.
+    for name in ("jmp tensor", "jmp rowwise", "jmp mxfp8", "jmp nvfp4"):
+        saved = int(table[name]["MLP: residual bytes (JAX)"].replace(",", ""))
+        operands = int(table[name]["MLP: residual bytes, operands saved"].replace(",", ""))
+        assert saved < 0.8 * operands, (name, saved, operands)
+    if "qwix mxfp8" in table:
+        # Qwix's MX scales are float32 powers of two, its gradients e5m2 per channel.
+        assert table["qwix mxfp8"]["MLP: quantized to"] == "f8E4M3FN f8E5M2"
+
+
 def test_fp8_benchmark_peers_when_installed_and_skips_a_missing_one(fp8_table):
     table, text = fp8_table
     assert "note: absent peer: skipped (no-such-distribution-jmp-policy is not installed)" in text
@@ -182,6 +216,7 @@ def test_fp8_benchmark_peers_when_installed_and_skips_a_missing_one(fp8_table):
     for name in ("qwix qt", "flax fp8"):
         if name in table:  # installed
             assert table[name]["MLP: FP8 dots fwd / bwd / other"] == "3 / 5 / 0", text
+            assert table[name]["MLP: quantized to"] == "f8E4M3FN f8E5M2", text
             assert table[name]["MLP: NaN batch (loss_scaled)"].startswith("skipped, recovers")
     if "flax fp8" in table:
         # Delayed scaling keeps amax histories: 6 arrays per Dense (1024 + 1 floats

@@ -130,6 +130,8 @@ def _hadamard_16() -> np.ndarray:
 
 
 _RHT = _hadamard_16()
+# The name scope of the transform: a program's debug locations show its products.
+HADAMARD_SCOPE = "jmp_policy_hadamard"
 
 
 def _pad_to_blocks(x: jax.Array, block: int) -> jax.Array:
@@ -150,7 +152,8 @@ def quantize_blocks(
     """
     x = _pad_to_blocks(lax.stop_gradient(x).astype(F32), max(fmt.block, 16 * hadamard))
     if hadamard:
-        x = jnp.matmul(x.reshape(*x.shape[:-1], -1, 16), _RHT, precision="highest")
+        with jax.named_scope(HADAMARD_SCOPE):
+            x = jnp.matmul(x.reshape(*x.shape[:-1], -1, 16), _RHT, precision="highest")
         x = x.reshape(*x.shape[:-2], -1)
     blocks = x.reshape(*x.shape[:-1], -1, fmt.block)
     amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)

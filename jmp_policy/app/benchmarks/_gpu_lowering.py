@@ -14,21 +14,27 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import re
 from typing import Any
 
 import jax
 
+from jmp_policy.core.block_scaling import HADAMARD_SCOPE
 from jmp_policy.core.matmul import CPU_FORM_SCOPE
 
 _DOT = re.compile(r"stablehlo\.dot_general.* : \((.*)\) -> (.*)$")
+_FUNC = re.compile(r"func\.func (?:public |private )?@([\w.$-]+)\(")
+_CALL = re.compile(r"\bcall @([\w.$-]+)\(")
+# `jax.nn.scaled_matmul` for CUDA: (data, data, scales, scales) -> result.
+_BLOCK_DOT = re.compile(r"custom_call @__op\$block_scaled_dot\(.* : \((.*)\) -> (.*?)(?: loc\(|$)")
 _ELEMENT = re.compile(r"tensor<(?:[0-9?]+x)*([a-zA-Z0-9]+)>")
 _OP = re.compile(r"^\s*(?:%[^=]+=\s*)?\"?stablehlo\.([a-z_]+)")
 # Debug locations: an op ends with `loc(#loc12)`, defined below the module as
 # `#loc12 = loc("jit(step)/jmp_policy_all_finite/is_finite"(#loc9))`.
 _LOC_USE = re.compile(r"loc\((#loc\d+)\)\s*$")
 _LOC_DEF = re.compile(r"^(#loc\d+) = (.*)$")
-E4M3, E5M2 = "f8E4M3FN", "f8E5M2"
+E4M3, E5M2, E2M1, E8M0 = "f8E4M3FN", "f8E5M2", "f4E2M1FN", "f8E8M0FNU"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +42,9 @@ class Structure:
     """The parts of a lowered program a GPU's performance and correctness depend on.
 
     Attributes:
-      dots: `{(lhs, rhs, result) element types: count}` of its `dot_general`s.
+      dots: `{(lhs, rhs, result) element types: count}` of its `dot_general`s,
+        block-scaled products (`{(lhs, rhs, lhs scales, result): count}`) and
+        the Hadamard transforms of NVFP4 (jmp_policy's own scope) aside.
       cpu_form: ops located in jmp_policy's CPU-only form of half products.
       finiteness_checks: `is_finite` ops of `all_finite` (`loss_scaled`
         checks each gradient leaf once).
@@ -46,13 +54,20 @@ class Structure:
     """
 
     dots: collections.Counter[tuple[str, str, str]]
+    block_dots: collections.Counter[tuple[str, str, str, str]]
+    hadamards: int
     cpu_form: int
     finiteness_checks: int
     skip_selects: int
     highest: int
 
     def describe_dots(self) -> str:
-        return ", ".join(f"{n} {a} x {b} -> {r}" for (a, b, r), n in sorted(self.dots.items()))
+        dots = [f"{n} {a} x {b} -> {r}" for (a, b, r), n in sorted(self.dots.items())]
+        dots += [
+            f"{n} {a} x {b} ({s} scales) -> {r}"
+            for (a, b, s, r), n in sorted(self.block_dots.items())
+        ]
+        return ", ".join(dots) + (f"; {self.hadamards} Hadamard" if self.hadamards else "")
 
 
 def lower(fn: Any, *args: Any, platform: str = "cuda") -> str:
@@ -69,7 +84,7 @@ def structure(text: str) -> Structure:
     for line in lines:
         if m := _LOC_DEF.match(line):
             locations[m[1]] = m[2]
-    cpu_form = checks = selects = highest = 0
+    cpu_form = checks = selects = highest = hadamards = 0
     for line in lines:
         op = _OP.match(line)
         if not op:
@@ -79,13 +94,40 @@ def structure(text: str) -> Structure:
         cpu_form += CPU_FORM_SCOPE in where
         checks += op[1] == "is_finite" and "jmp_policy_all_finite" in where
         selects += op[1] == "select" and "jmp_policy_skip_step" in where
-        dot = _DOT.search(line)
-        if dot:
+        if (dot := _DOT.search(line)) and HADAMARD_SCOPE in where:
+            hadamards += 1
+        elif dot:
             lhs, rhs = _ELEMENT.findall(dot[1])
             (out,) = _ELEMENT.findall(dot[2])
             dots[lhs, rhs, out] += 1
             highest += "HIGHEST" in line
-    return Structure(dots, cpu_form, checks, selects, highest)
+    return Structure(dots, _block_dots(lines), hadamards, cpu_form, checks, selects, highest)
+
+
+def _block_dots(lines: list[str]) -> collections.Counter[tuple[str, str, str, str]]:
+    """The block-scaled products `main` runs: `jax.nn.scaled_matmul` is a jitted
+    function, lowered once per signature and called from each use."""
+    own: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    calls: dict[str, list[str]] = collections.defaultdict(list)
+    func = "main"
+    for line in lines:
+        if m := _FUNC.search(line):
+            func = m[1]
+        elif block := _BLOCK_DOT.search(line):
+            lhs, rhs, lhs_scales, _ = _ELEMENT.findall(block[1])
+            (out,) = _ELEMENT.findall(block[2])
+            own[func][lhs, rhs, lhs_scales, out] += 1
+        elif m := _CALL.search(line):
+            calls[func].append(m[1])
+
+    @functools.cache
+    def total(func: str) -> collections.Counter:
+        out = collections.Counter(own[func])
+        for callee in calls[func]:
+            out.update(total(callee))
+        return out
+
+    return total("main")
 
 
 def check(claims: dict[str, Any], s: Structure) -> list[str]:
@@ -96,13 +138,23 @@ def check(claims: dict[str, Any], s: Structure) -> list[str]:
     `fp8` (forward e4m3 x e4m3, backward e4m3 with e5m2: the combinations
     cuBLASLt's FP8 GEMM takes, never e5m2 x e5m2), `finiteness_checks` and
     `skip_selects` (their numbers), `highest` (every product at HIGHEST, or
-    none), and always: no op of the CPU-only form.
+    none), `block` (the element and scale types of a block format: every
+    product block-scaled in them), and always: no op of the CPU-only form.
     """
     problems = []
     if s.cpu_form:
         problems.append(f"{s.cpu_form} ops of the CPU-only form")
-    if not s.dots:
+    if not (s.dots or s.block_dots):
         problems.append("no matrix products")
+    block = claims.get("block")  # (element, scale) types of a block format
+    if block is not None:
+        if s.dots:
+            problems.append(f"{sum(s.dots.values())} products not block-scaled")
+        for (lhs, rhs, scales, out), n in s.block_dots.items():
+            if (lhs, rhs, scales) != (block[0], block[0], block[1]) or out != claims["result"]:
+                problems.append(f"{n} block-scaled products on {lhs} x {rhs} ({scales}) -> {out}")
+    elif s.block_dots:
+        problems.append(f"{sum(s.block_dots.values())} block-scaled products")
     wanted = claims.get("operands")
     for (lhs, rhs, out), n in s.dots.items():
         if wanted is not None and not {lhs, rhs} <= wanted:

@@ -1,17 +1,27 @@
-"""FP8 training side by side: jmp_policy per tensor and per row, Qwix QT, Flax fp8_ops.
+"""FP8 and FP4 training side by side: jmp_policy's four recipes, Qwix's three, Flax's fp8_ops.
 
 What it measures
 ----------------
-Four FP8 recipes for linen models, each where installed (a missing peer is
-reported and skipped):
+Eight low-precision recipes for linen models, each where installed (a missing
+peer is reported and skipped):
 
   jmp tensor     `with_policy(model.apply, "mixed_float8")`: current scaling,
                  one power-of-two scale per operand (bfloat16 activations)
-  jmp rowwise    `with_policy(model.apply, "mixed_float8_rowwise")`: one scale
-                 per row along the non-contracting dimensions
+  jmp rowwise    `"mixed_float8_rowwise"`: one scale per row along the
+                 non-contracting dimensions
+  jmp mxfp8      `"mixed_mxfp8"`: e4m3 with a float8_e8m0fnu scale per block
+                 of 32 along each product's contraction, gradients too
+  jmp nvfp4      `"mixed_nvfp4"`: e2m1 with a float8_e4m3fn scale per block
+                 of 16 and a float32 one per tensor; stochastically rounded
+                 gradients, a Hadamard transform in the weight gradient
   qwix qt        `qwix.quantize_model(model, QtProvider([QtRule(weight_qtype=
                  e4m3, act_qtype=e4m3, bwd_qtype=e5m2)]))`: Qwix's quantized
                  training, dynamic per-channel scales (float32 activations)
+  qwix mxfp8,    the same with `weight_qtype=act_qtype="mxfp8"` or "nvfp4",
+  qwix nvfp4     `tile_size=32` or 16 (Qwix's block formats: float32 block
+                 scales rounded to powers of two or to e4m3, no tensor scale)
+                 and the output gradient e5m2 per channel (Qwix's block-format
+                 backward is experimental and needs every width a tile multiple)
   flax fp8       `nn.Dense(dot_general_cls=Fp8DirectDotGeneralOp)` (and the
                  attention projections): Flax's delayed scaling, amax
                  histories of 1024 steps kept in the `_overwrite_with_gradient`
@@ -27,11 +37,22 @@ float32 parameters, sees the same batches and trains with
    and, unless `--quick`, on the example Transformer LM
    (`_transformer_lm.py`; Flax's FP8 ops in its Dense layers and attention
    projections, not in the attention einsums, which have no module hook).
-2. FP8 products: the `dot_general`s of the lowered, jitted train step:
-   forward (e4m3 x e4m3), backward (one e5m2 operand), others (not FP8).
+   The output's error against float32 on the first batch, same parameters.
+2. Products: the `dot_general`s of the lowered, jitted train step: forward
+   (e4m3 x e4m3), backward (one e5m2 operand), others (not FP8); and the
+   FP8 and FP4 types values and scales are converted to. On CPU the
+   block-scaled products (`jax.nn.scaled_matmul`) are emulated by
+   dequantizing to float32, so they count as "other" dots here.
 3. Extra state: arrays and bytes a variant adds to the variables (the
    parameters and optimizer state aside).
-4. Robustness, on the MLP after 3 warm-up steps on ordinary
+4. Memory: the bytes JAX saves for the backward pass of the loss
+   (`saved_residuals`) and the compiled step's temporary bytes (XLA's
+   `memory_analysis()`); for jmp_policy's recipes also with the operands
+   saved instead of their quantized copies (`fp8_residuals("operands")`). On
+   CPU the emulated FP8 products convert their operands to float32, so XLA's
+   temporary bytes say little: `benchmarks/gpu.sh --compile-only` gives an
+   H100's and an H200's.
+5. Robustness, on the MLP after 3 warm-up steps on ordinary
    batches (so delayed scaling has a history): the relative error (Frobenius
    norm) against float32 with the same parameters of
    * the output rows other than the one holding a single outlier of 1e4,
@@ -47,8 +68,8 @@ float32 parameters, sees the same batches and trains with
 
 Usage::
 
-    jmp-policy bench --only fp8           # MLP and Transformer LM, 200 steps (~3 minutes)
-    jmp-policy bench --only fp8 --quick   # MLP, 10 steps (about 15 seconds)
+    jmp-policy bench --only fp8           # MLP and Transformer LM, 200 steps (~10 minutes)
+    jmp-policy bench --only fp8 --quick   # MLP, 10 steps (about a minute)
 """
 
 from __future__ import annotations
@@ -70,6 +91,7 @@ import optax
 
 import jmp_policy
 from jmp_policy.app.benchmarks import _transformer_lm
+from jmp_policy.core.diagnostics import saved_residuals
 
 OWG = "_overwrite_with_gradient"  # Flax's collection of FP8 scales and amax histories
 BATCH, FEATURES, HIDDEN, CLASSES = 64, 32, 128, 10
@@ -109,17 +131,24 @@ def _jmp(policy):
     return wrap
 
 
-def _qwix(model, rebuild):
-    import qwix
+def _qwix(qtype: Any, tile: int | None = None) -> Callable:
+    """Qwix QT in `qtype` (an FP8 dtype, per channel; or "mxfp8" / "nvfp4" with
+    their tiles), the output gradient in e5m2 per channel."""
 
-    rule = qwix.QtRule(
-        module_path=".*",
-        weight_qtype=jnp.float8_e4m3fn,
-        act_qtype=jnp.float8_e4m3fn,
-        bwd_qtype=jnp.float8_e5m2,
-    )
-    quantized = qwix.quantize_model(model, qwix.QtProvider([rule]))
-    return quantized, quantized.apply
+    def wrap(model, rebuild):
+        import qwix
+
+        rule = qwix.QtRule(
+            module_path=".*",
+            weight_qtype=qtype,
+            act_qtype=qtype,
+            bwd_qtype=jnp.float8_e5m2,
+            **({} if tile is None else {"tile_size": tile}),
+        )
+        quantized = qwix.quantize_model(model, qwix.QtProvider([rule]))
+        return quantized, quantized.apply
+
+    return wrap
 
 
 def _flax(model, rebuild):
@@ -132,7 +161,11 @@ def _flax(model, rebuild):
 VARIANTS = [
     Variant("jmp tensor", None, _jmp("mixed_float8")),
     Variant("jmp rowwise", None, _jmp("mixed_float8_rowwise")),
-    Variant("qwix qt", "qwix", _qwix),
+    Variant("jmp mxfp8", None, _jmp("mixed_mxfp8")),
+    Variant("jmp nvfp4", None, _jmp("mixed_nvfp4")),
+    Variant("qwix qt", "qwix", _qwix(jnp.float8_e4m3fn)),
+    Variant("qwix mxfp8", "qwix", _qwix("mxfp8", 32)),
+    Variant("qwix nvfp4", "qwix", _qwix("nvfp4", 16)),
     Variant("flax fp8", "flax", _flax),
 ]
 
@@ -234,6 +267,7 @@ class Run:
     step: Any  # jitted
     variables: dict
     opt_state: Any
+    tx: Any
 
     def restart(self, start: Run) -> Run:
         """This variant (its compiled step) from `start`'s state."""
@@ -248,7 +282,7 @@ def start(task: Task, wrap: Callable | None, params: Any, tx: Any) -> Run:
         example = task.inputs(batch_at(task, 0))
         variables = {**jax.jit(init_model.init)(jax.random.key(0), example), **variables}
     step = make_step(apply, task.loss, tx, task.inputs)
-    return Run(apply, step, variables, _jit_init(tx)(params))
+    return Run(apply, step, variables, _jit_init(tx)(params), tx)
 
 
 @functools.cache
@@ -275,10 +309,15 @@ _DOT = re.compile(r"stablehlo\.dot_general.* : \((.*)\) -> (.*)$")
 _ELEMENT = re.compile(r"tensor<(?:[0-9?]+x)*([a-zA-Z0-9]+)>")
 
 
-def fp8_products(run: Run, task: Task) -> tuple[int, int, int]:
-    """(forward e4m3 x e4m3, backward with an e5m2 operand, others) in the lowered step."""
-    args = (run.variables, run.opt_state, batch_at(task, 0), np.float32(1))
-    text = run.step.lower(*args).as_text()
+_CONVERT = re.compile(r"stablehlo\.(?:bitcast_)?convert .* -> tensor<(?:[0-9?]+x)*(f[48]E\w+)>")
+
+
+def _step_args(run: Run, task: Task) -> tuple:
+    return (run.variables, run.opt_state, batch_at(task, 0), np.float32(1))
+
+
+def fp8_products(text: str) -> tuple[int, int, int]:
+    """(forward e4m3 x e4m3, backward with an e5m2 operand, others) in a lowered step."""
     counts: collections.Counter[str] = collections.Counter()
     for line in text.splitlines():
         match = _DOT.search(line)
@@ -291,6 +330,28 @@ def fp8_products(run: Run, task: Task) -> tuple[int, int, int]:
             else:
                 counts["other"] += 1
     return counts["forward"], counts["backward"], counts["other"]
+
+
+def quantized_to(text: str) -> str:
+    """The FP8 and FP4 types values are converted to in a lowered step (scales too)."""
+    return " ".join(sorted({m[1] for m in map(_CONVERT.search, text.splitlines()) if m})) or "-"
+
+
+def memory(run: Run, task: Task, fresh: bool = False) -> tuple[int, int]:
+    """(bytes JAX saves for the backward pass of the loss, the compiled step's
+    temporary bytes). `fresh`: a new trace of the step (under the caller's settings)."""
+    batch = batch_at(task, 0)
+
+    def loss(variables):
+        return task.loss(run.apply(variables, task.inputs(batch)), batch)
+
+    saved = sum(r.size * r.dtype.itemsize for r, _ in saved_residuals(loss, run.variables))
+    step = run.step
+    if fresh:
+        step = make_step(run.apply, task.loss, run.tx, task.inputs)
+    compiled = step.lower(*_step_args(run, task)).compile()
+    analysis = compiled.memory_analysis()
+    return saved, int(analysis.temp_size_in_bytes) if analysis is not None else -1
 
 
 def extra_state(run: Run) -> tuple[int, int]:
@@ -389,6 +450,10 @@ def measure(quick: bool) -> tuple[list[str], dict[str, dict[str, str]], list[str
         reference = start(task, None, params, tx)
         base = train(reference.restart(reference), task)
         rows[f"{task.name}: final loss"]["float32"] = f"{base:.4f}"
+        reference_out = _jit_forward(reference.apply)({"params": params}, example)
+        saved, temp = memory(reference, task)
+        rows[f"{task.name}: residual bytes (JAX)"]["float32"] = f"{saved:,}"
+        rows[f"{task.name}: step temp bytes (XLA)"]["float32"] = f"{temp:,}"
         for v, col in zip(variants, columns):
             try:
                 run = start(task, v.wrap, params, tx)
@@ -398,10 +463,22 @@ def measure(quick: bool) -> tuple[list[str], dict[str, dict[str, str]], list[str
                 notes.append(f"{v.name} on {task.name}: {type(e).__name__}: {str(e)[:120]}")
                 continue
             rows[f"{task.name}: loss - float32"][col] = f"{loss - base:+.4f}"
-            fwd, bwd, other = fp8_products(run, task)
+            out = jax.jit(run.apply)(run.variables | {"params": params}, example)
+            rows[f"{task.name}: output error (a batch)"][col] = f"{_rel(out, reference_out):.4f}"
+            text = run.step.lower(*_step_args(run, task)).as_text()
+            fwd, bwd, other = fp8_products(text)
             rows[f"{task.name}: FP8 dots fwd / bwd / other"][col] = f"{fwd} / {bwd} / {other}"
+            rows[f"{task.name}: quantized to"][col] = quantized_to(text)
             arrays, nbytes = extra_state(run)
             rows[f"{task.name}: extra state arrays (bytes)"][col] = f"{arrays} ({nbytes:,})"
+            saved, temp = memory(run, task)
+            rows[f"{task.name}: residual bytes (JAX)"][col] = f"{saved:,}"
+            rows[f"{task.name}: step temp bytes (XLA)"][col] = f"{temp:,}"
+            if v.peer is None:  # jmp_policy's: what saving the operands would cost
+                with jmp_policy.fp8_residuals("operands"):
+                    saved, temp = memory(run, task, fresh=True)
+                rows[f"{task.name}: residual bytes, operands saved"][col] = f"{saved:,}"
+                rows[f"{task.name}: step temp bytes, operands saved"][col] = f"{temp:,}"
             if task.name == "MLP":
                 robust.append((col, run, reference, task))
     for col, run, reference, task in robust:
@@ -436,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table = measure(args.quick)
     device = jax.devices()[0]
     print(
-        f"FP8 training side by side ({'--quick: ' if args.quick else ''}jax {jax.__version__}, "
+        f"FP8 and FP4 training side by side ({'--quick: ' if args.quick else ''}jax {jax.__version__}, "
         f"flax {importlib.metadata.version('flax')}, {device.platform}: "
         f"{'FP8 emulated' if device.platform == 'cpu' else device.device_kind})"
     )

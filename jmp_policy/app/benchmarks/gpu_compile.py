@@ -57,9 +57,10 @@ BACKENDS: dict[str, dict[str, Any]] = {
     "triton-off": {"xla_gpu_enable_triton_gemm": False},
 }
 M_BF16, ROWWISE = "policy m=bf16", "policy mixed_float8_rowwise"
+MXFP8, NVFP4 = "policy mixed_mxfp8", "policy mixed_nvfp4"
 VARIANTS = (
     bench.REFERENCE, bench.BY_HAND, bench.WITH_POLICY, bench.LOSS_SCALED, M_BF16, bench.FP8,
-    ROWWISE,
+    ROWWISE, bench.FP8_OPERANDS, MXFP8, NVFP4,
 )  # fmt: skip
 JSON_NAME = "gpu_compile.json"
 

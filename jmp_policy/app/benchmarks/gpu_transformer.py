@@ -305,6 +305,7 @@ class Variant:
       precision: `jax.default_matmul_precision` while tracing ("highest"), or None.
       loss_scaled: `loss_scaled(adam, DynamicLossScale(2**15))` instead of plain adam.
       needs_matmul_dtype: only where `Policy` has a `matmul_dtype` field.
+      fp8_residuals: traced under `jmp_policy.fp8_residuals(...)`, or None.
     """
 
     name: str
@@ -314,6 +315,7 @@ class Variant:
     precision: str | None = None
     loss_scaled: bool = False
     needs_matmul_dtype: bool = False
+    fp8_residuals: str | None = None
 
 
 REFERENCE = "float32"
@@ -321,6 +323,7 @@ BY_HAND = "flax dtype=bf16"
 WITH_POLICY = "with_policy mixed_bfloat16"
 LOSS_SCALED = "with_policy + loss_scaled"
 FP8 = "policy mixed_float8"
+FP8_OPERANDS = "policy mixed_float8 operands"
 # Priority order: when the time budget runs short, the last ones are skipped.
 VARIANTS = (
     Variant(REFERENCE),
@@ -332,6 +335,9 @@ VARIANTS = (
     Variant(FP8, policy="mixed_float8", needs_matmul_dtype=True),
     Variant("float32 HIGHEST", precision="highest"),
     Variant("policy mixed_float8_rowwise", policy="mixed_float8_rowwise", needs_matmul_dtype=True),
+    Variant("policy mixed_mxfp8", policy="mixed_mxfp8", needs_matmul_dtype=True),
+    Variant("policy mixed_nvfp4", policy="mixed_nvfp4", needs_matmul_dtype=True),
+    Variant(FP8_OPERANDS, policy="mixed_float8", needs_matmul_dtype=True, fp8_residuals="operands"),
 )
 
 
@@ -369,6 +375,14 @@ def _build(variant: Variant, cfg: Config) -> tuple[Any, Callable, Any, Callable]
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    if variant.fp8_residuals is not None:
+        traced, residuals = step, variant.fp8_residuals
+
+        @functools.wraps(traced)
+        def step(params, opt_state, tokens):  # What FP8 saves is read as it traces.
+            with jmp_policy.fp8_residuals(residuals):
+                return traced(params, opt_state, tokens)
+
     return model, apply, tx, step
 
 
@@ -378,6 +392,10 @@ def claims(variant: Variant, grad_leaves: int, state_leaves: int) -> dict[str, A
         out: dict[str, Any] = {"operands": {"f32"}, "result": "f32"}
     elif (variant.policy or "").startswith("mixed_float8"):
         out = {"operands": {_gpu_lowering.E4M3, _gpu_lowering.E5M2}, "result": "f32", "fp8": True}
+    elif variant.policy == "mixed_mxfp8":
+        out = {"block": (_gpu_lowering.E4M3, _gpu_lowering.E8M0), "result": "f32"}
+    elif variant.policy == "mixed_nvfp4":
+        out = {"block": (_gpu_lowering.E2M1, _gpu_lowering.E4M3), "result": "f32"}
     elif variant.half_dot_general or "m=bf16" in (variant.policy or ""):
         out = {"operands": {"bf16"}, "result": "f32"}  # float32 accumulation
     else:
