@@ -513,8 +513,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         table = measure(args.quick)
     device = jax.devices()[0]
     print(
-        f"FP8 and FP4 training side by side ({'--quick: ' if args.quick else ''}jax {jax.__version__}, "
-        f"flax {importlib.metadata.version('flax')}, {device.platform}: "
+        f"FP8 and FP4 training side by side ({'--quick: ' if args.quick else ''}"
+        f"jax {jax.__version__}, flax {importlib.metadata.version('flax')}, {device.platform}: "
         f"{'FP8 emulated' if device.platform == 'cpu' else device.device_kind})"
     )
     print(format_table(*table))
