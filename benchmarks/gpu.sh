@@ -10,7 +10,7 @@
 #   benchmarks/gpu.sh --compile-only [--targets h200_sxm] [--backends default]
 #       no GPU: every variant compiled for an H100 and an H200 (memory, GEMM kernels);
 #       needs the CUDA plugin for the installed jaxlib, which ./run puts in
-#       .venv/cuda-plugin (used from there when present); ~25 min on 2 cores
+#       .venv/cuda-plugin (used from there when present); ~30 min on 2 cores
 #
 # It uses the JAX already installed (python3 on PATH, or $PYTHON) and this
 # source tree (PYTHONPATH=.). $JMP_POLICY_BENCH_BUDGET_S (default 400 for the

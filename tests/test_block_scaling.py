@@ -260,25 +260,6 @@ def test_nvfp4_hadamard_transform_is_orthogonal_and_only_in_the_row_product():
     assert len(hadamards) == 2  # d w's operands: x and g along the rows
 
 
-# ------------------------------------------------------------ non-finite
-
-
-@pytest.mark.parametrize("scaling", ["mxfp8", "nvfp4"])
-@pytest.mark.parametrize("bad", [np.inf, np.nan])
-def test_non_finite_values_reach_the_result_and_both_cotangents(scaling, bad):
-    x = jnp.ones((4, 40)).at[1, 2].set(bad)
-    assert not np.isfinite(
-        np.asarray(jmp.fp8_dot_general(x, jnp.ones((40, 3)), DIMS, scaling=scaling))
-    ).all()
-    _, vjp = jax.vjp(
-        lambda x, w: jmp.fp8_dot_general(x, w, DIMS, scaling=scaling),
-        jnp.ones((4, 40)),
-        jnp.ones((40, 3)),
-    )
-    gx, gw = vjp(jnp.ones((4, 3)).at[0, 0].set(bad))
-    assert not np.isfinite(np.asarray(gx)).all() and not np.isfinite(np.asarray(gw)).all()
-
-
 # ------------------------------------------------------------ what is saved
 
 
@@ -336,13 +317,9 @@ def test_first_order_saves_the_quantized_operands(mlp, policy, element):
 
 @pytest.mark.parametrize(
     "policy,bound",
-    # Measured: 0.073, 0.073, 0.071, 0.24 (mixed_bfloat16: 0.008).
-    [
-        ("mixed_float8", 0.1),
-        ("mixed_float8_rowwise", 0.1),
-        ("mixed_mxfp8", 0.1),
-        ("mixed_nvfp4", 0.3),
-    ],
+    # Measured: 0.071 and 0.24 (mixed_float8 and mixed_float8_rowwise 0.073:
+    # tests/test_fp8.py; mixed_bfloat16 0.008).
+    [("mixed_mxfp8", 0.1), ("mixed_nvfp4", 0.3)],
 )
 def test_hessian_vector_product_saves_the_operands_and_is_finite(mlp, policy, bound):
     loss, params, v = mlp

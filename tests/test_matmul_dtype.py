@@ -425,7 +425,7 @@ def test_fp8_dot_general_dtypes_and_fallbacks():
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
-@pytest.mark.parametrize("scaling", ["tensor", "rowwise"])
+@pytest.mark.parametrize("scaling", ["tensor", "rowwise", "mxfp8", "nvfp4"])
 def test_fp8_non_finite_operand_propagates(bad, scaling):
     dims = (((1,), (0,)), ((), ()))
     x = jnp.ones((4, 8)).at[1, 2].set(bad)

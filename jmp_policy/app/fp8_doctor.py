@@ -12,8 +12,8 @@ layers in bf16 by hand. `recommend_fp8_rules` measures it on one batch:
    that module takes the recipe and every other product the fallback: its
    sensitivity.
 3. The most sensitive modules go to the fallback, as few as keep the
-   output's error within the tolerance (a bisection over how many, each
-   count measured, not assumed).
+   output's error within the tolerance (a search over how many, each count
+   measured, not assumed; several configurations share one compiled program).
 
 The rules it prints paste into `with_policy(..., rules=...)` as they are.
 Errors are relative Frobenius norms over the output's floating leaves.

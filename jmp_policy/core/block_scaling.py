@@ -19,7 +19,9 @@ contraction its own scale, so one outlier only coarsens its block:
 
 Each product is `jax.nn.scaled_matmul` on operands laid out as
 `(batch, rows, contraction)`, the contraction padded with zeros to whole
-blocks. On NVIDIA Blackwell it lowers to cuDNN's block-scaled GEMM; on other
+blocks. (`jax.nn.scaled_dot_general`, around it, would not serve: it asserts
+whole blocks, takes NVFP4's tensor scale as a fixed argument, leaves NVFP4's
+backward products unquantized and rounds nothing stochastically.) On NVIDIA Blackwell it lowers to cuDNN's block-scaled GEMM; on other
 GPUs XLA expands it, and on CPU JAX emulates it (the elements and scales
 converted to float32 and multiplied): the numbers are the format's, the speed
 is not. The backward products quantize the operands again along the
@@ -45,7 +47,7 @@ import numpy as np
 from jax import lax
 
 from jmp_policy.core import jax_internals as ji
-from jmp_policy.core.dtypes import F32, cast, widest
+from jmp_policy.core.dtypes import F32, cast, pow2_at_least, widest
 from jmp_policy.core.matmul import dot_product, shared_factory
 from jmp_policy.core.residuals import to_be_saved_quantized
 
@@ -80,13 +82,6 @@ class Blocks(NamedTuple):
 
 
 # ------------------------------------------------------------ quantizing
-
-
-def _pow2_at_least(v: jax.Array) -> jax.Array:
-    """The smallest power of two >= v (float32, v >= 0); 1 for 0; v where not finite."""
-    bits = lax.bitcast_convert_type(v, np.int32)
-    pow2 = lax.bitcast_convert_type((bits + 0x7FFFFF) & 0x7F800000, F32)
-    return jnp.where(v == 0, np.float32(1), jnp.where(jnp.isfinite(v), pow2, v))
 
 
 def _to_e8m0(scale: jax.Array) -> jax.Array:
@@ -166,7 +161,7 @@ def quantize_blocks(
         scaled = jnp.where(step == 0, 0, blocks / jnp.where(step == 0, 1, step))
     else:
         tensor_scale = jnp.ones((), F32)
-        step = _pow2_at_least(amax / np.float32(fmt.element_max))
+        step = pow2_at_least(amax / np.float32(fmt.element_max))
         scales, scaled = _to_e8m0(step), blocks / step
     scaled = jnp.clip(scaled, -fmt.element_max, fmt.element_max)
     if stochastic:

@@ -49,3 +49,13 @@ def widest(dtypes: Iterable[np.dtype]) -> np.dtype:
     if sum(d.itemsize == wide.itemsize for d in dtypes) > 1:
         return F32 if wide.itemsize < 4 else wide
     return wide
+
+
+def pow2_at_least(v: Any) -> Any:
+    """The smallest power of two >= `v` (a float32 array, >= 0): exact to divide by.
+    1 where `v` is 0; `v` itself where it is not finite (inf, NaN), so a scale
+    carries a non-finite amax into the product."""
+    bits = lax.bitcast_convert_type(v, np.int32)
+    # Round the exponent up unless v is already a power of two (mantissa 0).
+    pow2 = lax.bitcast_convert_type((bits + 0x7FFFFF) & 0x7F800000, F32)
+    return jnp.where(v == 0, np.float32(1), jnp.where(jnp.isfinite(v), pow2, v))

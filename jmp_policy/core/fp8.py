@@ -50,7 +50,7 @@ from jax import lax
 
 from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.block_scaling import FORMATS, block_scaled_product
-from jmp_policy.core.dtypes import F32, cast, is_float, widest
+from jmp_policy.core.dtypes import F32, cast, is_float, pow2_at_least, widest
 from jmp_policy.core.matmul import (
     _accumulate_in_float32,
     call_reverse_mode_only,
@@ -96,11 +96,7 @@ def fp8_scale(x: jax.Array, fp8_max: float, axes: Sequence[int] | None = None) -
     # `initial=0`: the identity of a max of magnitudes, so an empty `x` has scale 1.
     v = jnp.max(jnp.abs(x.astype(F32)), axis=None if axes is None else tuple(axes),
                 keepdims=axes is not None, initial=0.0) / np.float32(fp8_max)  # fmt: skip
-    # Round the exponent up unless v is already a power of two (mantissa 0).
-    bits = lax.bitcast_convert_type(v, np.int32)
-    pow2 = lax.bitcast_convert_type((bits + 0x7FFFFF) & 0x7F800000, F32)
-    scale = jnp.where(jnp.isfinite(v), pow2, v)
-    return jnp.where(scale == 0, np.float32(1), scale)
+    return pow2_at_least(v)
 
 
 def fp8_quantize(x: jax.Array, scale: jax.Array, dtype: np.dtype, fp8_max: float) -> jax.Array:
