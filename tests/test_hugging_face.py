@@ -85,7 +85,7 @@ def test_longt5_transient_global_init_and_short_inputs(transformers, old_clip, p
 
 def test_fp8_doctor_on_bert(transformers):
     config = transformers.BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=32,
         # BERT's own 0.02 leaves random layers' outputs small against the
         # embeddings, and FP8's error as small as bf16's: 0.2 makes them count.
@@ -100,12 +100,12 @@ def test_fp8_doctor_on_bert(transformers):
         out = module.apply(variables, ids, mask, types, positions, None, deterministic=True)
         return out.last_hidden_state
 
-    # Measured: bf16 0.0065, FP8 throughout 0.082.
-    report = jmp.recommend_fp8_rules(apply, params, ids, tolerance=0.05, recipes=["mixed_float8"])
+    # Measured: bf16 0.0051, FP8 throughout 0.053.
+    report = jmp.recommend_fp8_rules(apply, params, ids, tolerance=0.03, recipes=["mixed_float8"])
     (r,) = report.recipes
     assert "encoder/layer/0/attention/self/query" in report.products
-    assert r.error > 0.05 and r.within and r.rules
+    assert r.error > 0.03 and r.within and r.rules
     assert set(r.rules) <= set(report.products) | {f"{p}/*" for p in report.products}
     got = jax.jit(jmp.with_policy(apply, "mixed_float8", rules=r.rules))(params, ids)
     want = apply(params, ids)
-    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) <= 0.05
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) <= 0.03

@@ -19,13 +19,15 @@ contraction its own scale, so one outlier only coarsens its block:
 
 Each product is `jax.nn.scaled_matmul` on operands laid out as
 `(batch, rows, contraction)`, the contraction padded with zeros to whole
-blocks. (`jax.nn.scaled_dot_general`, around it, would not serve: it asserts
-whole blocks, takes NVFP4's tensor scale as a fixed argument, leaves NVFP4's
-backward products unquantized and rounds nothing stochastically.) On NVIDIA Blackwell it lowers to cuDNN's block-scaled GEMM; on other
-GPUs XLA expands it, and on CPU JAX emulates it (the elements and scales
-converted to float32 and multiplied): the numbers are the format's, the speed
-is not. The backward products quantize the operands again along the
-dimension each contracts, as the formats require.
+blocks. On NVIDIA Blackwell it lowers to cuDNN's block-scaled GEMM; on other
+GPUs XLA expands it; on CPU it is emulated here (the elements and scales
+converted to float32 and multiplied, as jax 0.12 does and jax 0.10 cannot):
+the numbers are the format's, the speed is not. The backward products
+quantize the operands again along the dimension each contracts, as the
+formats require. (`jax.nn.scaled_dot_general`, around `scaled_matmul`, does
+not serve: it asserts whole blocks, takes NVFP4's tensor scale as a fixed
+argument, leaves NVFP4's backward products unquantized and rounds nothing
+stochastically.)
 
 What the forward pass saves is `residuals`' choice: the quantized copies
 the backward products take, or the operands, quantized again in the backward

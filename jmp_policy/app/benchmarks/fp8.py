@@ -46,12 +46,12 @@ float32 parameters, sees the same batches and trains with
 3. Extra state: arrays and bytes a variant adds to the variables (the
    parameters and optimizer state aside).
 4. Memory: the bytes JAX saves for the backward pass of the loss
-   (`saved_residuals`) and the compiled step's temporary bytes (XLA's
-   `memory_analysis()`); for jmp_policy's recipes also with the operands
-   saved instead of their quantized copies (`fp8_residuals("operands")`). On
-   CPU the emulated FP8 products convert their operands to float32, so XLA's
-   temporary bytes say little: `benchmarks/gpu.sh --compile-only` gives an
-   H100's and an H200's.
+   (`saved_residuals`; for jmp_policy's recipes also with the operands
+   saved instead of their quantized copies, `fp8_residuals("operands")`) and
+   the compiled step's temporary bytes (XLA's `memory_analysis()`). On CPU
+   the emulated FP8 products convert their operands to float32, so XLA's
+   temporary bytes say little (and are the same whichever is saved):
+   `benchmarks/gpu.sh --compile-only` gives an H100's and an H200's.
 5. Robustness, on the MLP after 3 warm-up steps on ordinary
    batches (so delayed scaling has a history): the relative error (Frobenius
    norm) against float32 with the same parameters of
@@ -267,7 +267,6 @@ class Run:
     step: Any  # jitted
     variables: dict
     opt_state: Any
-    tx: Any
 
     def restart(self, start: Run) -> Run:
         """This variant (its compiled step) from `start`'s state."""
@@ -282,7 +281,7 @@ def start(task: Task, wrap: Callable | None, params: Any, tx: Any) -> Run:
         example = task.inputs(batch_at(task, 0))
         variables = {**jax.jit(init_model.init)(jax.random.key(0), example), **variables}
     step = make_step(apply, task.loss, tx, task.inputs)
-    return Run(apply, step, variables, _jit_init(tx)(params), tx)
+    return Run(apply, step, variables, _jit_init(tx)(params))
 
 
 @functools.cache
@@ -337,21 +336,20 @@ def quantized_to(text: str) -> str:
     return " ".join(sorted({m[1] for m in map(_CONVERT.search, text.splitlines()) if m})) or "-"
 
 
-def memory(run: Run, task: Task, fresh: bool = False) -> tuple[int, int]:
-    """(bytes JAX saves for the backward pass of the loss, the compiled step's
-    temporary bytes). `fresh`: a new trace of the step (under the caller's settings)."""
+def residual_bytes(run: Run, task: Task) -> int:
+    """The bytes JAX saves for the backward pass of the loss on the first batch."""
     batch = batch_at(task, 0)
 
     def loss(variables):
         return task.loss(run.apply(variables, task.inputs(batch)), batch)
 
-    saved = sum(r.size * r.dtype.itemsize for r, _ in saved_residuals(loss, run.variables))
-    step = run.step
-    if fresh:
-        step = make_step(run.apply, task.loss, run.tx, task.inputs)
-    compiled = step.lower(*_step_args(run, task)).compile()
-    analysis = compiled.memory_analysis()
-    return saved, int(analysis.temp_size_in_bytes) if analysis is not None else -1
+    return sum(r.size * r.dtype.itemsize for r, _ in saved_residuals(loss, run.variables))
+
+
+def temp_bytes(run: Run, task: Task) -> int:
+    """The compiled train step's temporary bytes (XLA's `memory_analysis`)."""
+    analysis = run.step.lower(*_step_args(run, task)).compile().memory_analysis()
+    return int(analysis.temp_size_in_bytes) if analysis is not None else -1
 
 
 def extra_state(run: Run) -> tuple[int, int]:
@@ -451,9 +449,10 @@ def measure(quick: bool) -> tuple[list[str], dict[str, dict[str, str]], list[str
         base = train(reference.restart(reference), task)
         rows[f"{task.name}: final loss"]["float32"] = f"{base:.4f}"
         reference_out = _jit_forward(reference.apply)({"params": params}, example)
-        saved, temp = memory(reference, task)
-        rows[f"{task.name}: residual bytes (JAX)"]["float32"] = f"{saved:,}"
-        rows[f"{task.name}: step temp bytes (XLA)"]["float32"] = f"{temp:,}"
+        rows[f"{task.name}: residual bytes (JAX)"]["float32"] = (
+            f"{residual_bytes(reference, task):,}"
+        )
+        rows[f"{task.name}: step temp bytes (XLA)"]["float32"] = f"{temp_bytes(reference, task):,}"
         for v, col in zip(variants, columns):
             try:
                 run = start(task, v.wrap, params, tx)
@@ -471,14 +470,12 @@ def measure(quick: bool) -> tuple[list[str], dict[str, dict[str, str]], list[str
             rows[f"{task.name}: quantized to"][col] = quantized_to(text)
             arrays, nbytes = extra_state(run)
             rows[f"{task.name}: extra state arrays (bytes)"][col] = f"{arrays} ({nbytes:,})"
-            saved, temp = memory(run, task)
-            rows[f"{task.name}: residual bytes (JAX)"][col] = f"{saved:,}"
-            rows[f"{task.name}: step temp bytes (XLA)"][col] = f"{temp:,}"
+            rows[f"{task.name}: residual bytes (JAX)"][col] = f"{residual_bytes(run, task):,}"
+            rows[f"{task.name}: step temp bytes (XLA)"][col] = f"{temp_bytes(run, task):,}"
             if v.peer is None:  # jmp_policy's: what saving the operands would cost
                 with jmp_policy.fp8_residuals("operands"):
-                    saved, temp = memory(run, task, fresh=True)
+                    saved = residual_bytes(run, task)
                 rows[f"{task.name}: residual bytes, operands saved"][col] = f"{saved:,}"
-                rows[f"{task.name}: step temp bytes, operands saved"][col] = f"{temp:,}"
             if task.name == "MLP":
                 robust.append((col, run, reference, task))
     for col, run, reference, task in robust:

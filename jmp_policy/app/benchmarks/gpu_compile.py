@@ -110,7 +110,7 @@ class Row:
 
 def compile_variant(name: str, cfg: bench.Config, device: Any, options: dict[str, Any]) -> Row:
     """Compiles the train step of the variant called `name` for `device`."""
-    (variant,) = [v for v in bench.VARIANTS if v.name == name]
+    (variant,) = [v for v in (*bench.VARIANTS, bench.FP8_WITH_OPERANDS) if v.name == name]
     _, _, tx, step = bench._build(variant, cfg)
     sharding = jax.sharding.SingleDeviceSharding(device)
 
