@@ -50,7 +50,7 @@ from jax import lax
 
 from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.dtypes import F32, cast, pow2_at_least, widest
-from jmp_policy.core.matmul import dot_product, shared_factory
+from jmp_policy.core.matmul import cpu_form_in_use, dot_product, shared_factory
 from jmp_policy.core.residuals import to_be_saved_quantized
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -284,14 +284,18 @@ def block_scaled_product(
 ) -> jax.Array:
     """`lax.dot_general(lhs, rhs, dims)` in the block format `fmt`, both passes,
     saving `residuals` (`"quantized"` or `"operands"`) for the backward pass."""
-    f = _shared_block_product(dims, np.dtype(out_dtype), fmt, residuals)
+    # A trace made under the other setting of the CPU form is not reused.
+    f = _shared_block_product(dims, np.dtype(out_dtype), fmt, residuals, cpu_form=cpu_form_in_use())
     out = f(lhs, rhs)
     return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
 
 
 @shared_factory
-def _shared_block_product(dims: Any, out_dtype: np.dtype, fmt: str, residuals: str) -> Callable:
+def _shared_block_product(
+    dims: Any, out_dtype: np.dtype, fmt: str, residuals: str, *, cpu_form: bool
+) -> Callable:
     """One signature's product: an inlined `jax.jit`, traced once per shape."""
+    del cpu_form  # Only a key: the tangent products read the setting as they trace.
     return ji.inlined_jit(
         functools.partial(
             _block_product, dims=dims, out_dtype=out_dtype, fmt=FORMATS[fmt],
