@@ -363,6 +363,52 @@ def test_a_second_derivative_after_tracing_raises_then_works_with_operands(mlp, 
     assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(out))
 
 
+class Attention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)(x))
+
+
+class NnxAttention(nnx.Module):
+    def __init__(self, rngs):
+        self.attention = nnx.MultiHeadAttention(2, 8, qkv_features=16, decode=False, rngs=rngs)
+        self.mix = nnx.Einsum("btd,df->btf", (8, 4), rngs=rngs)
+
+    def __call__(self, x):
+        return self.mix(self.attention(x))
+
+
+def _attention_losses():
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 5, 8)), F32)
+    linen = Attention()
+    params = linen.init(jax.random.key(0), x)
+    for transform in (jmp.with_policy, jmp.autocast):
+        apply = transform(linen.apply, "mixed_float8")
+        yield transform.__name__, (lambda p, apply=apply: jnp.sum(apply(p, x) ** 2)), params
+    graph, state = nnx.split(jnnx.PolicyModule(NnxAttention(nnx.Rngs(0)), "mixed_float8"))
+    yield "nnx", (lambda s: jnp.sum(nnx.merge(graph, s)(x) ** 2)), state
+
+
+def test_second_order_through_attention_einsums_after_a_first_order_trace():
+    # The einsums of attention are jitted functions taking the product as a
+    # static argument: JAX reuses their trace for equal arguments. After a
+    # train step has traced them saving quantized copies, a Hessian-vector
+    # product must still see its own form (not the cached one). Flax NNX's
+    # attention mixes dtypes as standard promotion allows (its own bf16 too).
+    with jax.numpy_dtype_promotion("standard"):
+        _second_order_through_attention()
+
+
+def _second_order_through_attention():
+    for name, loss, params in _attention_losses():
+        jax.jit(jax.grad(loss))(params)
+        hvp = jax.jit(lambda p, loss=loss: jax.jvp(jax.grad(loss), (p,), (p,))[1])(params)
+        with jmp.fp8_residuals("operands"):
+            late = jax.jvp(jax.jit(jax.grad(loss)), (params,), (params,))[1]
+        for out in (hvp, late):
+            assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(out)), name
+
+
 def test_differentiation_depth_counts_nested_derivatives():
     from jmp_policy.core.residuals import differentiation_depth
 

@@ -60,7 +60,7 @@ from jmp_policy.core.dtypes import F32 as _F32
 from jmp_policy.core.interpreter import Rules, may_scale, trace_and_eval
 from jmp_policy.core.matmul import clear_shared_products
 from jmp_policy.core.policy import Policy, get_policy
-from jmp_policy.core.residuals import differentiation_depth, traced_for
+from jmp_policy.core.residuals import differentiation_depth, residual_form, traced_for
 from jmp_policy.core.state import ReturnsState, cast_results
 
 # Matmuls and convolutions: half operands, float32 accumulation.
@@ -266,9 +266,11 @@ def _shared_rewrite(fn: Callable, rules: Rules, args: tuple, kwargs: dict) -> An
     except TypeError:  # No weak reference to `fn`.
         return NotImplemented
     arrays = [x for x, a in zip(leaves, is_array) if a]
-    # Under second-order differentiation FP8 products save other residuals.
+    # What FP8 products save: `fp8_residuals`' setting, the operands under
+    # second-order differentiation (read as they trace: part of the key).
     second_order = may_scale(rules) and differentiation_depth(*arrays) >= 2
-    key = (rules, treedef, is_array, static, second_order)
+    saved = residual_form(None) if may_scale(rules) else None
+    key = (rules, treedef, is_array, static, second_order, saved)
     if key not in per_signature:
         ref = weakref.ref(fn)
         values = [None if a else x for x, a in zip(leaves, is_array)]  # Plain values only.

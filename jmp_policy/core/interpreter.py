@@ -402,7 +402,8 @@ def trace_and_eval(fn, args, rules):
         return [x for x in results if isinstance(x, arrays)]
 
     values = [leaves[i] for i in dynamic]
-    # FP8 products traced on the stand-ins save what the values' derivatives need.
+    # FP8 products traced on stand-ins (here, and for nested programs as they
+    # are rewritten) save what the values' derivatives need.
     with traced_for(values) if may_scale(rules) else contextlib.nullcontext():
         try:
             closed = jax.make_jaxpr(traced_fn)(*values)
@@ -413,7 +414,7 @@ def trace_and_eval(fn, args, rules):
                 raise
             with ji.writes_take_the_buffer_dtype():
                 closed = jax.make_jaxpr(traced_fn)(*values)
-    outs = iter(_eval(closed.jaxpr, closed.consts, values, rules))
+        outs = iter(_eval(closed.jaxpr, closed.consts, values, rules))
     full = [next(outs) if x is _TRACED else x for x in out_leaves]
     return jax.tree.unflatten(out_tree[0], full)
 

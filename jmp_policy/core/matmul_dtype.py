@@ -17,6 +17,7 @@ from jax import lax
 from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES
 from jmp_policy.core.fp8 import fp8_dot_general
 from jmp_policy.core.matmul import half_dot_general
+from jmp_policy.core.residuals import residual_form
 
 _FULL_PRECISION_ALGORITHMS = frozenset(
     getattr(lax.DotAlgorithmPreset, name) for name in ("F32_F32_F32", "F64_F64_F64")
@@ -44,20 +45,22 @@ def asks_full_precision(precision: Any) -> bool:
 
 @functools.cache
 def matmul_dot_general(
-    matmul_dtype: np.dtype | None, fp8_scaling: str = "tensor"
+    matmul_dtype: np.dtype | None, fp8_scaling: str = "tensor", residuals: str | None = None
 ) -> Callable | None:
     """The `dot_general` a policy's `matmul_dtype` asks for (None: the layers' own).
 
-    `fp8_scaling` (`"tensor"`, `"rowwise"`, `"mxfp8"`, `"nvfp4"`) applies to an
-    FP8 or FP4 matmul dtype.
-    A product the layer asks for at full precision (`precision=HIGHEST`) runs
-    as `lax.dot_general`. One object per argument pair, so that modules given
-    it compare equal across calls.
+    `fp8_scaling` (`"tensor"`, `"rowwise"`, `"mxfp8"`, `"nvfp4"`) and
+    `residuals` (what an FP8 product saves, see `fp8_dot_general`) apply to
+    an FP8 or FP4 matmul dtype. A product the layer asks for at full
+    precision (`precision=HIGHEST`) runs as `lax.dot_general`. One object per
+    arguments, so that modules given it compare equal across calls, and a
+    jitted function taking it as a static argument (`jnp.einsum`) traces
+    again for other `residuals`.
     """
     if matmul_dtype is None:
         return None
     if np.dtype(matmul_dtype) in SCALED_MATMUL_DTYPES:
-        product = functools.partial(fp8_dot_general, scaling=fp8_scaling)
+        product = functools.partial(fp8_dot_general, scaling=fp8_scaling, residuals=residuals)
     else:
         product = functools.partial(half_dot_general, compute_dtype=np.dtype(matmul_dtype))
 
@@ -67,3 +70,13 @@ def matmul_dot_general(
         return run(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
 
     return dot_general
+
+
+def traced_dot_general(
+    matmul_dtype: np.dtype | None, fp8_scaling: str = "tensor"
+) -> Callable | None:
+    """`matmul_dot_general` for what FP8 products save in the trace under way: for a
+    function that takes it as a static argument (`jnp.einsum`), whose trace JAX
+    reuses for equal arguments whatever derivatives the caller is under."""
+    scaled = matmul_dtype is not None and np.dtype(matmul_dtype) in SCALED_MATMUL_DTYPES
+    return matmul_dot_general(matmul_dtype, fp8_scaling, residual_form(None) if scaled else None)

@@ -36,7 +36,11 @@ from jax import lax
 from jmp_policy.core import jax_internals
 from jmp_policy.core.autocast import matmuls_in
 from jmp_policy.core.dtypes import is_complex
-from jmp_policy.core.matmul_dtype import asks_full_precision, matmul_dot_general
+from jmp_policy.core.matmul_dtype import (
+    asks_full_precision,
+    matmul_dot_general,
+    traced_dot_general,
+)
 from jmp_policy.core.policy import Policy
 
 # The dense layers whose `dot_general` hook takes the matmul dtype; `*_cls`
@@ -133,20 +137,33 @@ def matmul_overrides(module: Any, policy: Policy, *, rewritten: bool = False) ->
     if isinstance(module, nn.MultiHeadDotProductAttention) and _takes_dot_general(
         module.attention_fn
     ):
+        # Its einsums take the product as a static argument of their jit: one
+        # for what FP8 products save in this trace (set per call by linen).
         overrides["attention_fn"] = functools.partial(
-            module.attention_fn, einsum_dot_general=dot_general
+            module.attention_fn,
+            einsum_dot_general=traced_dot_general(policy.matmul_dtype, policy.fp8_scaling),
         )
         # Flax rejects these together with einsum_dot_general.
         overrides["qk_attn_weights_einsum_cls"] = None
         overrides["attn_weights_value_einsum_cls"] = None
     if isinstance(module, nnx.Einsum):
-        overrides["einsum_op"] = jax_internals.einsum_with_dot_general(dot_general)
+        overrides["einsum_op"] = functools.partial(
+            _einsum_as_traced, policy.matmul_dtype, policy.fp8_scaling
+        )
     if isinstance(module, nnx.MultiHeadAttention):
         # Every layer's attention has the same shapes: one shared rewrite.
         overrides["attention_fn"] = matmuls_in(
             module.attention_fn, policy.matmul_dtype, policy.fp8_scaling, shared=True
         )
     return overrides
+
+
+def _einsum_as_traced(matmul_dtype: Any, fp8_scaling: str, *args: Any, **kwargs: Any) -> Any:
+    """`jnp.einsum` with the product `traced_dot_general` picks as it is traced
+    (NNX sets `einsum_op` once, before any trace)."""
+    dot_general = traced_dot_general(matmul_dtype, fp8_scaling)
+    assert dot_general is not None  # Set only for a policy with a matmul dtype.
+    return jax_internals.einsum_with_dot_general(dot_general)(*args, **kwargs)
 
 
 def _takes_dot_general(attention_fn: Callable) -> bool:

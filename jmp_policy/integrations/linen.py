@@ -36,9 +36,10 @@ from flax import nnx
 
 from jmp_policy.core import jax_internals
 from jmp_policy.core.autocast import matmuls_in
-from jmp_policy.core.dtypes import is_float
+from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, is_float
 from jmp_policy.core.interpreter import matmul_scope
 from jmp_policy.core.policy import Policy, get_policy
+from jmp_policy.core.residuals import traced_for
 from jmp_policy.core.state import ReturnsState, cast_results
 from jmp_policy.integrations import casting
 from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_names
@@ -549,7 +550,9 @@ def with_policy(
     keep_inputs = input_names(keep_inputs)
     interceptor = _make_interceptor(rule_set, remat_norms)
     # Products take matmul dtypes through the op-level rewrite only where one is set.
-    rewrite = any(m is not None for m in (policy.matmul_dtype, *rule_set.matmul_dtypes))
+    matmul_dtypes = (policy.matmul_dtype, *rule_set.matmul_dtypes)
+    rewrite = any(m is not None for m in matmul_dtypes)
+    scaled = any(m in SCALED_MATMUL_DTYPES for m in matmul_dtypes)
     target, bound_args, bound_kwargs = _unwrap_partial(fn)
     entry = _linen_entry(target)
 
@@ -557,7 +560,7 @@ def with_policy(
         return cast_results(out, given, policy.cast_to_output, returns_state=returns_state)
 
     if entry is None:
-        return _plain_function(fn, policy, interceptor, keep_inputs, rewrite, to_output)
+        return _plain_function(fn, policy, interceptor, keep_inputs, rewrite, scaled, to_output)
 
     def run(first, args, kwargs):
         return target(first, *args, **kwargs)
@@ -590,7 +593,7 @@ def with_policy(
         )
         if entry == "apply":
             first = read_as_made(first, args, kwargs)
-        with _calling(policy, call, interceptor):
+        with _calling(policy, call, interceptor, (first, args, kwargs) if scaled else ()):
             try:
                 result = call_fn(first, args, kwargs)
             except (TypeError, ValueError) as e:
@@ -760,12 +763,16 @@ def _check_function(fn: Any) -> None:
 
 
 @contextlib.contextmanager
-def _calling(policy: Policy, call: _Call, interceptor: Callable) -> Iterator[None]:
-    """The context of one call of a wrapped function: its policy, its record, the interceptor."""
+def _calling(
+    policy: Policy, call: _Call, interceptor: Callable, values: Any = ()
+) -> Iterator[None]:
+    """The context of one call of a wrapped function: its policy, its record, the
+    interceptor; FP8 products traced inside (in jitted functions too) save what
+    the derivatives of `values` (the call's arguments, under an FP8 policy) need."""
     token = _ACTIVE_POLICY.set(policy)
     call_token = _CALL.set(call)
     try:
-        with nn.intercept_methods(interceptor):
+        with nn.intercept_methods(interceptor), traced_for(jax.tree.leaves(values)):
             yield
     finally:
         _ACTIVE_POLICY.reset(token)
@@ -778,6 +785,7 @@ def _plain_function(
     interceptor: Callable,
     keep_inputs: frozenset[str],
     rewrite: bool,
+    scaled: bool,
     to_output: Callable[[Any, list], Any],
 ) -> Callable:
     """`with_policy` of a function that is not a linen entry point (a `lambda` around apply)."""
@@ -796,7 +804,8 @@ def _plain_function(
         args, kwargs = casting.cast_inputs(
             policy, args, kwargs, lambda k: keep(k) or _is_variables((args, kwargs), k)
         )
-        with _calling(policy, _Call(frozenset(), rewrite=rewrite, top=False), interceptor):
+        call = _Call(frozenset(), rewrite=rewrite, top=False)
+        with _calling(policy, call, interceptor, (args, kwargs) if scaled else ()):
             out = call_fn(*args, **kwargs)
         return to_output(out, given)
 
