@@ -5,8 +5,10 @@ ResNet and DeepMind's gemma (linen; in a process of its own); recurrentgemma
 is in test_recurrentgemma.py, Flax's examples in test_examples.py. Each
 model, with a tiny config and random weights, under `mixed_bfloat16`,
 `mixed_float16` (with a `DynamicLossScale`), `p=f32,c=bf16,o=f32,m=bf16`,
-`mixed_float8` and `mixed_float8_rowwise`: forward error against float32 at
-most 1.5x the model's own half config's (`corpus/checks.py`), a few training
+`mixed_float8`, `mixed_float8_rowwise`, `mixed_mxfp8` and `mixed_nvfp4`:
+forward error against float32 at most 1.5x the model's own half config's
+(FP8 and FP4, which no model has a config for: scaled by the ratio of the
+formats' unit roundoffs; `corpus/checks.py`), a few training
 steps finite, cached decoding with a cache in the compute dtype as uncached,
 no more float32 products than the own config, and under a matmul dtype every
 product in it but those the author keeps in float32.

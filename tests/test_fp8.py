@@ -364,7 +364,7 @@ def test_nnx_policy_module_applies_rowwise(outlier_batch):
 # ------------------------------------------------------------ 8 devices
 
 
-@pytest.mark.parametrize("policy", ["mixed_float8", ROWWISE])
+@pytest.mark.parametrize("policy", ["mixed_float8", ROWWISE, "mixed_mxfp8", "mixed_nvfp4"])
 def test_jit_over_8_devices_gives_the_single_device_step(policy):
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")

@@ -28,16 +28,22 @@ POLICIES = (
     "p=f32,c=bf16,o=f32,m=bf16",
     "mixed_float8",
     "mixed_float8_rowwise",
+    "mixed_mxfp8",
+    "mixed_nvfp4",
 )
 # jax.jit compiling fast (the suite's models are tiny).
 jit = functools.partial(jax.jit, compiler_options=compiler_options())
 BF16, F16 = np.dtype(jnp.bfloat16), np.dtype(np.float16)
-# A model has no FP8 config of its own: an FP8 policy is held to its bf16
-# config's error times the ratio of the formats' unit roundoffs (e4m3 2^-4,
-# bfloat16 2^-8), so a wrong scale (an overflow, a flushed operand) still fails.
-FP8_OVER_BF16 = 16.0
-# The element types a matmul dtype's forward products take (FP8: e4m3).
-MATMUL_TYPES = {BF16: {"bf16"}, F16: {"f16"}, np.dtype(jnp.float8_e4m3fn): {"f8E4M3FN"}}
+E4M3, E2M1 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float4_e2m1fn)
+# A model has no FP8 or FP4 config of its own: such a policy is held to its
+# bf16 config's error times the ratio of the formats' unit roundoffs (e4m3
+# 2^-4, e2m1 2^-2, bfloat16 2^-8), so a wrong scale (an overflow, a flushed
+# operand) still fails.
+OVER_BF16 = {E4M3: 16.0, E2M1: 64.0}
+# The element types a matmul dtype's forward products take (FP8: e4m3). The
+# block formats' products are emulated on CPU at HIGHEST precision (see
+# `kept_by_author`): the types in the program are tested in test_block_scaling.
+MATMUL_TYPES = {BF16: {"bf16"}, F16: {"f16"}, E4M3: {"f8E4M3FN"}, E2M1: {"f4E2M1FN"}}
 
 
 def compute_dtype(policy: str) -> np.dtype:
@@ -74,7 +80,7 @@ def error_bound(policy: str, own_errors: dict[np.dtype, float]) -> float:
     dtype = compute_dtype(policy)
     own = own_errors[dtype] if dtype in own_errors else own_errors[BF16]
     if is_fp8(policy):
-        own *= FP8_OVER_BF16
+        own *= OVER_BF16[np.dtype(jmp.get_policy(policy).matmul_dtype)]
     return 1.5 * own
 
 
@@ -143,7 +149,8 @@ def finite_gradients(loss_fn: Callable[[Any], jax.Array], params: Any) -> bool:
 
 
 def is_fp8(policy: str) -> bool:
-    return jmp.get_policy(policy).matmul_dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2)
+    """An FP8 or FP4 policy (current or block scaling)."""
+    return jmp.get_policy(policy).matmul_dtype in OVER_BF16
 
 
 def assert_decodes_as_uncached(
