@@ -51,6 +51,7 @@ def transformer_benchmark():
     return bench, status, rows
 
 
+@pytest.mark.slow
 def test_mixed_bfloat16_residual_bytes_at_most_target_of_float32(transformer_benchmark):
     # The benchmark's own bytes, and its printed ratio, for with_policy(mixed_bfloat16).
     bench, status, rows = transformer_benchmark
@@ -62,6 +63,7 @@ def test_mixed_bfloat16_residual_bytes_at_most_target_of_float32(transformer_ben
     assert status == 0
 
 
+@pytest.mark.slow
 def test_with_policy_saves_less_than_flax_dtype_by_hand(transformer_benchmark):
     # Flax's hand-set bfloat16 keeps its LayerNorms' float32 copies; the
     # policy rematerialises them.
@@ -69,6 +71,7 @@ def test_with_policy_saves_less_than_flax_dtype_by_hand(transformer_benchmark):
     assert rows["with_policy"][3] < rows["flax dtype=bf16"][3]
 
 
+@pytest.mark.slow
 def test_every_train_step_matmul_is_half_and_the_accumulating_paths_give_float32(
     transformer_benchmark,
 ):
@@ -82,6 +85,7 @@ def test_every_train_step_matmul_is_half_and_the_accumulating_paths_give_float32
     assert rows["m=bf16"][:3] == (51, "100%", "100%")
 
 
+@pytest.mark.slow
 def test_mixed_float8_every_train_step_matmul_fp8(transformer_benchmark):
     bench, _, _ = transformer_benchmark
     line = next(x for x in bench.printed.splitlines() if x.startswith("mixed_float8: "))
@@ -157,6 +161,7 @@ def fp8_table():
     return by_variant, text
 
 
+@pytest.mark.slow
 def test_fp8_benchmark_jmp_columns(fp8_table):
     table, text = fp8_table
     for name in ("jmp tensor", "jmp rowwise"):
@@ -175,6 +180,7 @@ def test_fp8_benchmark_jmp_columns(fp8_table):
         assert float(table["jmp rowwise"][f"MLP: outlier {outlier}: other rows"]) < 0.1
 
 
+@pytest.mark.slow
 def test_fp8_benchmark_block_formats(fp8_table):
     table, text = fp8_table
     mx, nv = table["jmp mxfp8"], table["jmp nvfp4"]
@@ -209,6 +215,7 @@ def test_fp8_benchmark_block_formats(fp8_table):
         assert table["qwix mxfp8"]["MLP: quantized to"] == "f8E4M3FN f8E5M2"
 
 
+@pytest.mark.slow
 def test_fp8_benchmark_peers_when_installed_and_skips_a_missing_one(fp8_table):
     table, text = fp8_table
     assert "note: absent peer: skipped (no-such-distribution-jmp-policy is not installed)" in text
@@ -224,6 +231,7 @@ def test_fp8_benchmark_peers_when_installed_and_skips_a_missing_one(fp8_table):
         assert table["flax fp8"]["MLP: extra state arrays (bytes)"] == "18 (36,900)"
 
 
+@pytest.mark.slow
 def test_lowering_benchmark_prints_each_variant_against_flax_by_hand():
     from jmp_policy.app.benchmarks import lowering
 

@@ -108,7 +108,19 @@ EXPECTED_OUTPUT = {
 }
 
 
-@pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: str(p.relative_to(DOCS)))
+# Pages whose examples train or compile for long (slow: left out of the loop
+# before a commit, run by CI).
+SLOW_PAGES = {"guides/fp8.md", "guides/from_flax.md", "guides/equinox.md"}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(p, marks=pytest.mark.slow) if str(p.relative_to(DOCS)) in SLOW_PAGES else p
+        for p in RUNNABLE
+    ],
+    ids=lambda p: str(p.relative_to(DOCS)),
+)
 def test_page_examples_run(page, capsys):
     run_python_blocks(page)
     out = capsys.readouterr().out

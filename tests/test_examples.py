@@ -73,6 +73,7 @@ def bfloat16_run(transformer_lm):
     return transformer_lm.train("mixed_bfloat16", None, STEPS, seed=0, evaluate=False)
 
 
+@pytest.mark.slow
 def test_transformer_mixed_bfloat16_matches_float32(bfloat16_run, float32_run):
     result = bfloat16_run
     assert len(result["losses"]) == STEPS
@@ -85,6 +86,7 @@ def test_transformer_mixed_bfloat16_matches_float32(bfloat16_run, float32_run):
     _assert_params_float32(result["params"])
 
 
+@pytest.mark.slow
 def test_transformer_mixed_float16_loss_scaled_matches_float32(transformer_lm, float32_run):
     result = transformer_lm.train("mixed_float16", 2.0**15, STEPS, seed=0, evaluate=False)
     assert abs(result["final_loss"] - float32_run["final_loss"]) < LOSS_TOLERANCE, (
@@ -113,6 +115,7 @@ def test_transformer_mixed_float8_trains_like_mixed_bfloat16(transformer_lm, bfl
     _assert_params_float32(fp8["params"])
 
 
+@pytest.mark.slow
 def test_train_mlp_demo_prints_a_row_per_policy(capsys):
     train_mlp = load_script("examples/train_mlp.py", "train_mlp")
     results = train_mlp.main(["--steps", "20"])
@@ -160,6 +163,7 @@ def test_nnx_example_prints_a_row_per_policy(capsys):
         assert abs(results[name]["final_loss"] - results["float32"]["final_loss"]) < 0.05
 
 
+@pytest.mark.slow
 def test_equinox_vit_prints_float32_against_mixed(capsys):
     equinox_vit = load_script("examples/equinox_vit.py", "equinox_vit")
     results = equinox_vit.main(["--steps", "60"])

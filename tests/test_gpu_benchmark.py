@@ -207,6 +207,7 @@ def lower_only_run(tmp_path_factory):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_gpu_sh_lower_only_prints_what_a_gpu_would_run(lower_only_run):
     run = lower_only_run
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

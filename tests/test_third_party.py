@@ -166,6 +166,7 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+@pytest.mark.slow
 def test_decoder_loss_grads_and_products_no_worse_than_hand_written(lm_steps):
     ref_loss, ref_grads, _ = lm_steps["f32"]
     hand_loss, hand_grads, hand_text = lm_steps["hand"]
