@@ -99,7 +99,7 @@ def recommend_fp8_rules(
     variables: Any,
     *args: Any,
     tolerance: float,
-    recipes: Sequence[str | Policy] = RECIPES,
+    recipes: Sequence[str | Policy] | str | Policy = RECIPES,
     fallback: str | Policy = "mixed_bfloat16",
     **kwargs: Any,
 ) -> Fp8Report:
@@ -117,8 +117,8 @@ def recommend_fp8_rules(
       apply: a linen model's `apply`.
       variables: its variables (float32 parameters).
       *args: one batch of its inputs; `**kwargs` go to `apply` too.
-      recipes: the FP8/FP4 policies to try (default: per tensor, row-wise,
-        MXFP8, NVFP4).
+      recipes: the FP8/FP4 policies to try, or one (default: per tensor,
+        row-wise, MXFP8, NVFP4).
       tolerance: the largest relative error of the output against float32
         allowed (for scale: bfloat16's own error is typically 0.002 to 0.01,
         FP8's 10 to 20 times that).
@@ -129,10 +129,15 @@ def recommend_fp8_rules(
       the rules of recipe i.
 
     Raises:
-      ValueError: if a policy spec is malformed, a recipe has no FP8 or FP4
-        matmul dtype, `tolerance` is not positive, or no submodule of the
-        model runs a product.
+      ValueError: if a policy spec is malformed, `recipes` is empty or one has
+        no FP8 or FP4 matmul dtype, `tolerance` is not positive, or no
+        submodule of the model runs a product.
+      TypeError: if `tolerance` is not a number.
     """
+    if isinstance(recipes, (str, Policy)):
+        recipes = (recipes,)  # One recipe.
+    if not recipes:
+        raise ValueError(f"recipes must name at least one FP8 or FP4 policy, such as {RECIPES}.")
     policies = {(r if isinstance(r, str) else str(r)): get_policy(r) for r in recipes}
     for name, policy in policies.items():
         if policy.matmul_dtype is None or policy.matmul_dtype.itemsize != 1:
@@ -140,7 +145,9 @@ def recommend_fp8_rules(
                 f"recipes: {name!r} has no FP8 or FP4 matmul dtype (m=f8, f8_rowwise, mxfp8 "
                 f"or nvfp4); accepted are policies such as {', '.join(RECIPES)}."
             )
-    if not (isinstance(tolerance, (int, float)) and tolerance > 0):
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
+        raise TypeError(f"tolerance must be a positive number, got {tolerance!r}.")
+    if not tolerance > 0:
         raise ValueError(f"tolerance must be a positive number, got {tolerance!r}.")
     fallback = str(get_policy(fallback)) if isinstance(fallback, Policy) else fallback
     call = functools.partial(apply, **kwargs)
