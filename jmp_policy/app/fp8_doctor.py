@@ -137,7 +137,9 @@ def recommend_fp8_rules(
     if isinstance(recipes, (str, Policy)):
         recipes = (recipes,)  # One recipe.
     if not recipes:
-        raise ValueError(f"recipes must name at least one FP8 or FP4 policy, such as {RECIPES}.")
+        raise ValueError(
+            f"recipes must name at least one FP8 or FP4 policy, such as {', '.join(RECIPES)}."
+        )
     policies = {(r if isinstance(r, str) else str(r)): get_policy(r) for r in recipes}
     for name, policy in policies.items():
         if policy.matmul_dtype is None or policy.matmul_dtype.itemsize != 1:
