@@ -60,7 +60,7 @@ from jmp_policy.core.dtypes import F32 as _F32
 from jmp_policy.core.interpreter import Rules, may_scale, trace_and_eval
 from jmp_policy.core.matmul import clear_shared_products
 from jmp_policy.core.policy import Policy, get_policy
-from jmp_policy.core.residuals import differentiation_depth, residual_form, traced_for
+from jmp_policy.core.residuals import residual_form, traced_for
 from jmp_policy.core.state import ReturnsState, cast_results
 
 # Matmuls and convolutions: half operands, float32 accumulation.
@@ -266,24 +266,24 @@ def _shared_rewrite(fn: Callable, rules: Rules, args: tuple, kwargs: dict) -> An
     except TypeError:  # No weak reference to `fn`.
         return NotImplemented
     arrays = [x for x, a in zip(leaves, is_array) if a]
-    # What FP8 products save: `fp8_residuals`' setting, the operands under
-    # second-order differentiation (read as they trace: part of the key).
-    second_order = may_scale(rules) and differentiation_depth(*arrays) >= 2
-    saved = residual_form(None) if may_scale(rules) else None
-    key = (rules, treedef, is_array, static, second_order, saved)
-    if key not in per_signature:
-        ref = weakref.ref(fn)
-        values = [None if a else x for x, a in zip(leaves, is_array)]  # Plain values only.
+    scaled = may_scale(rules)
+    with traced_for(arrays) if scaled else contextlib.nullcontext():
+        # What FP8 products save (`fp8_residuals`' setting, the operands under
+        # second-order differentiation of `arrays`) is read as they trace: a key.
+        key = (rules, treedef, is_array, static, residual_form(None) if scaled else None)
+        if key not in per_signature:
+            ref = weakref.ref(fn)
+            values = [None if a else x for x, a in zip(leaves, is_array)]  # Plain values only.
 
-        def rewritten(*arrays):
-            it = iter(arrays)
-            full = [next(it) if a else v for v, a in zip(values, is_array)]
-            f = ref()
-            assert f is not None  # The caller holds `fn` while this runs.
-            return trace_and_eval(lambda a, k: f(*a, **k), jax.tree.unflatten(treedef, full), rules)
+            def rewritten(*arrays):
+                it = iter(arrays)
+                full = [next(it) if a else v for v, a in zip(values, is_array)]
+                f = ref()
+                assert f is not None  # The caller holds `fn` while this runs.
+                given = jax.tree.unflatten(treedef, full)  # (args, kwargs)
+                return trace_and_eval(lambda a, k: f(*a, **k), given, rules)
 
-        per_signature[key] = ji.inlined_jit(rewritten)
-    with traced_for(arrays) if second_order else contextlib.nullcontext():
+            per_signature[key] = ji.inlined_jit(rewritten)
         return per_signature[key](*arrays)
 
 
