@@ -65,8 +65,11 @@ def _nnx_state_handler(run, fn, args, kwargs):
 
 
 from jmp_policy.core.autocast import register_state_handler  # noqa: E402
+from jmp_policy.integrations.flax_serialization import register_when_flax_loads  # noqa: E402
 
 register_state_handler(_nnx_state_handler)
+# Loss scales in `flax.serialization` checkpoints, without importing Flax.
+register_when_flax_loads()
 
 
 def __getattr__(name: str) -> Any:

@@ -246,12 +246,13 @@ def test_unknown_dtype_message(spec):
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_construction_normalises_every_spelling(dtype):
-    """Every spelling of a float dtype is stored as the same `np.dtype`."""
+    """Every spelling of a float dtype is stored as the same JAX scalar type (as jmp's
+    get_policy stores it: `jnp.float32`), which is also equal to the `np.dtype`."""
     for spelling in SPELLINGS[dtype]:
         policy = Policy(spelling, spelling, spelling)
         for field in dtypes_of(policy):
-            assert type(field) is type(dtype) and isinstance(field, np.dtype)
-            assert field == dtype
+            assert field is getattr(jnp, dtype.name)
+            assert field == dtype and np.dtype(field) == dtype
 
 
 _BAD_DTYPES = [
@@ -434,7 +435,7 @@ def test_with_dtype_replaces_one_field(field, spelling):
     assert isinstance(new, Policy) and new is not policy
     expected = dict(zip(FIELDS, dtypes_of(policy)), **{field: F16})
     assert dtypes_of(new) == tuple(expected[f] for f in FIELDS)
-    assert all(isinstance(d, np.dtype) for d in dtypes_of(new))
+    assert all(d is getattr(jnp, np.dtype(d).name) for d in dtypes_of(new))
     assert dtypes_of(policy) == (F32, BF16, F64)  # Original untouched.
     assert get_policy(str(new)) == new
 

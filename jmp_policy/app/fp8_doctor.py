@@ -142,7 +142,7 @@ def recommend_fp8_rules(
         )
     policies = {(r if isinstance(r, str) else str(r)): get_policy(r) for r in recipes}
     for name, policy in policies.items():
-        if policy.matmul_dtype is None or policy.matmul_dtype.itemsize != 1:
+        if policy.matmul_dtype is None or np.dtype(policy.matmul_dtype).itemsize != 1:
             raise ValueError(
                 f"recipes: {name!r} has no FP8 or FP4 matmul dtype (m=f8, f8_rowwise, mxfp8 "
                 f"or nvfp4); accepted are policies such as {', '.join(RECIPES)}."

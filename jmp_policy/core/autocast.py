@@ -371,11 +371,11 @@ def autocast(
         raise TypeError(f"autocast expects a function as its first argument, got {fn!r}.")
     policy = get_policy(policy)
     rules = Rules(
-        compute_dtype=policy.compute_dtype,
+        compute_dtype=np.dtype(policy.compute_dtype),
         half=_primitive_names(half_primitives, "half_primitives"),
         float32=_primitive_names(float32_primitives, "float32_primitives"),
         promote=_primitive_names(promote_primitives, "promote_primitives"),
-        matmul_dtype=policy.matmul_dtype,
+        matmul_dtype=None if policy.matmul_dtype is None else np.dtype(policy.matmul_dtype),
         fp8_scaling=policy.fp8_scaling,
     )
 

@@ -50,12 +50,15 @@ def _at_least_float32(x: jax.Array) -> jax.Array:
 def _scale_tree(tree: T, multiply: bool, loss_scale: jax.typing.ArrayLike) -> T:
     # In float32 (or wider): a half value times 2**15 would overflow, and half
     # gradients divided back in half precision would be rounded twice.
+    # Unscaling multiplies by the reciprocal, as jmp and PyTorch's GradScaler
+    # do. For a power-of-two scale a division gives the same gradients, but
+    # XLA compiles what reads them (a global norm's sum) to other bits than jmp.
     def apply(x):
         if not _is_inexact(x):
             return x
         x = _at_least_float32(jnp.asarray(x))
         s = jnp.asarray(loss_scale, x.dtype)
-        return x * s if multiply else x / s
+        return x * s if multiply else x * (1 / s)
 
     return jax.tree.map(apply, tree)
 
@@ -154,7 +157,7 @@ class LossScale:
     """The protocol shared by `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`.
 
     `loss_scale` is the current value, `scale(tree)` multiplies (the loss),
-    `unscale(tree)` divides (the gradients, in float32), and
+    `unscale(tree)` multiplies by the reciprocal (the gradients, in float32), and
     `adjust(grads_finite)` returns the next state.
     """
 

@@ -59,8 +59,8 @@ def loss_scaled(
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer for gradients of a loss scaled by a `LossScale`.
 
-    `update` receives the gradients of `loss_scale.scale(loss)`. It divides
-    them by the scale (in float32), checks they are all finite and only then
+    `update` receives the gradients of `loss_scale.scale(loss)`. It unscales
+    them (in float32), checks they are all finite and only then
     lets `inner` see them, so clipping, weight decay, accumulation and
     schedules inside `inner` work on true gradients. On a non-finite step it
     returns zero updates and keeps `inner`'s state bit for bit (schedules do
@@ -183,7 +183,8 @@ def get_loss_scale(opt_state: Any) -> LossScale:
 
     >>> import optax, jax.numpy as jnp
     >>> import jmp_policy as jmp
-    >>> tx = optax.chain(optax.clip(1.0), jmp.loss_scaled(optax.sgd(0.1), jmp.StaticLossScale(8.0)))
+    >>> inner = optax.chain(optax.clip(1.0), optax.sgd(0.1))  # Clips the true gradients.
+    >>> tx = optax.named_chain(("mixed", jmp.loss_scaled(inner, jmp.StaticLossScale(8.0))))
     >>> jmp.get_loss_scale(tx.init({"w": jnp.ones(2)}))
     StaticLossScale(loss_scale=8.0)
     """

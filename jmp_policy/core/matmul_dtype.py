@@ -43,9 +43,8 @@ def asks_full_precision(precision: Any) -> bool:
         return False
 
 
-@functools.cache
 def matmul_dot_general(
-    matmul_dtype: np.dtype | None, fp8_scaling: str = "tensor", residuals: str | None = None
+    matmul_dtype: Any, fp8_scaling: str = "tensor", residuals: str | None = None
 ) -> Callable | None:
     """The `dot_general` a policy's `matmul_dtype` asks for (None: the layers' own).
 
@@ -59,10 +58,16 @@ def matmul_dot_general(
     """
     if matmul_dtype is None:
         return None
-    if np.dtype(matmul_dtype) in SCALED_MATMUL_DTYPES:
+    # Cached on the np.dtype: `jnp.bfloat16` and `np.dtype("bfloat16")` hash apart.
+    return _dot_general_for(np.dtype(matmul_dtype), fp8_scaling, residuals)
+
+
+@functools.cache
+def _dot_general_for(matmul_dtype: np.dtype, fp8_scaling: str, residuals: str | None) -> Callable:
+    if matmul_dtype in SCALED_MATMUL_DTYPES:
         product = functools.partial(fp8_dot_general, scaling=fp8_scaling, residuals=residuals)
     else:
-        product = functools.partial(half_dot_general, compute_dtype=np.dtype(matmul_dtype))
+        product = functools.partial(half_dot_general, compute_dtype=matmul_dtype)
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                     **kwargs):  # fmt: skip
@@ -72,9 +77,7 @@ def matmul_dot_general(
     return dot_general
 
 
-def traced_dot_general(
-    matmul_dtype: np.dtype | None, fp8_scaling: str = "tensor"
-) -> Callable | None:
+def traced_dot_general(matmul_dtype: Any, fp8_scaling: str = "tensor") -> Callable | None:
     """`matmul_dot_general` for what FP8 products save in the trace under way: for a
     function that takes it as a static argument (`jnp.einsum`), whose trace JAX
     reuses for equal arguments whatever derivatives the caller is under."""

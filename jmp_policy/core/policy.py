@@ -1,8 +1,9 @@
 """Mixed precision policies and the casting of pytrees.
 
-A superset of jmp 0.0.4's ``policy.py``: the same names, grammar and results,
-with dtypes normalised on construction so that ``str``, hashing and equality
-work for any dtype spelling.
+A superset of jmp 0.0.4's ``policy.py``: the same names, grammar and results.
+Dtypes are normalised on construction to JAX's scalar types (`jnp.float32`,
+what jmp's `get_policy` stores), so that identity tests, dict keys, ``str``,
+hashing and equality work for any dtype spelling.
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ _DTYPE_NAMES = {
     np.dtype(np.float64): ("f64", "float64"),
 }
 _NAME_TO_DTYPE = {n: d for d, names in _DTYPE_NAMES.items() for n in names}
+# What a policy's fields hold: JAX's scalar types, as jmp's do (`jnp.float32`
+# is what jmp code compares with `is` and uses as a dict key).
+DType = type[Any]
+_SCALAR_TYPES: dict[np.dtype, DType] = {
+    np.dtype(t): typing.cast(DType, t)
+    for t in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64, jnp.float8_e4m3fn,
+              jnp.float4_e2m1fn)
+}  # fmt: skip
 _KEYS = {
     "p": "param_dtype",
     "params": "param_dtype",
@@ -88,9 +97,11 @@ def check_scaling(scaling: Any, name: str = "scaling") -> str:
     return scaling
 
 
-def scalings_of(matmul_dtype: np.dtype | None) -> tuple[str, ...]:
+def scalings_of(matmul_dtype: Any) -> tuple[str, ...]:
     """The scalings a matmul dtype takes, its default first."""
-    return _SCALINGS_OF.get(matmul_dtype, ("tensor",)) if matmul_dtype is not None else ("tensor",)
+    if matmul_dtype is None:
+        return ("tensor",)
+    return _SCALINGS_OF.get(np.dtype(matmul_dtype), ("tensor",))
 
 
 def half_dtype() -> type[Any]:
@@ -198,7 +209,7 @@ def _is_weak(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.typeof(x).weak_type
 
 
-def _cast_floating_to(tree: T, dtype: np.dtype) -> T:
+def _cast_floating_to(tree: T, dtype: jax.typing.DTypeLike) -> T:
     def cast(x):
         if not _is_float_array(x):
             return x
@@ -211,12 +222,18 @@ def _cast_floating_to(tree: T, dtype: np.dtype) -> T:
     return jax.tree.map(cast, tree)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Policy:
     """Which dtype parameters are stored in, computation runs in, and results take.
 
     Frozen, hashable and equal by value, so it can be a static argument of
-    `jax.jit`. Dtypes are normalised to `numpy.dtype` on construction.
+    `jax.jit`. Dtypes are normalised on construction to JAX's scalar types,
+    as jmp's `get_policy` gives them: `policy.compute_dtype is jnp.bfloat16`,
+    whichever spelling (`"bf16"`, `np.dtype("bfloat16")`) built it.
+
+    It can be subclassed as jmp's can: `matmul_dtype` and `fp8_scaling` are
+    keyword-only in a subclass, so that its own fields may be required ones
+    (`@dataclasses.dataclass(frozen=True) class P(Policy): reduce_dtype: Any`).
 
     Args:
       param_dtype: dtype parameters are stored and updated in.
@@ -248,23 +265,43 @@ class Policy:
 
     >>> import jax.numpy as jnp
     >>> import jmp_policy as jmp
-    >>> policy = jmp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
-    >>> str(policy)
-    'p=full,c=bf16,o=full'
+    >>> policy = jmp.Policy(jnp.float32, "bf16", jnp.float32)
+    >>> str(policy), policy.compute_dtype is jnp.bfloat16
+    ('p=full,c=bf16,o=full', True)
     >>> policy.cast_to_compute({"x": jnp.ones(2), "step": 3})["x"].dtype
     dtype(bfloat16)
     """
 
-    param_dtype: np.dtype
-    compute_dtype: np.dtype
-    output_dtype: np.dtype
-    matmul_dtype: np.dtype | None = None
-    fp8_scaling: str = "tensor"
+    param_dtype: DType
+    compute_dtype: DType
+    output_dtype: DType
+    matmul_dtype: DType | None = dataclasses.field(default=None, kw_only=True)
+    fp8_scaling: str = dataclasses.field(default="tensor", kw_only=True)
+
+    # Positional here, as before subclassing was possible; a subclass's
+    # generated `__init__` takes the two keyword-only fields by keyword.
+    def __init__(
+        self,
+        param_dtype: Any,
+        compute_dtype: Any,
+        output_dtype: Any,
+        matmul_dtype: Any = None,
+        fp8_scaling: str = "tensor",
+    ):
+        for name, value in (
+            ("param_dtype", param_dtype),
+            ("compute_dtype", compute_dtype),
+            ("output_dtype", output_dtype),
+            ("matmul_dtype", matmul_dtype),
+            ("fp8_scaling", fp8_scaling),
+        ):
+            object.__setattr__(self, name, value)
+        self.__post_init__()
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             dtype = _to_float_dtype(getattr(self, field), field)
-            object.__setattr__(self, field, dtype)
+            object.__setattr__(self, field, _SCALAR_TYPES[dtype])
         matmul, implied = _to_matmul_dtype(self.matmul_dtype)
         scaling = check_scaling(self.fp8_scaling, "Policy.fp8_scaling")
         if implied is not None and scaling != implied:
@@ -274,8 +311,9 @@ class Policy:
                     f"but fp8_scaling={scaling!r} was given: give one of them."
                 )
             scaling = implied
-        object.__setattr__(self, "matmul_dtype", matmul)
-        object.__setattr__(self, "fp8_scaling", _check_matmul_scaling(matmul, scaling))
+        scaling = _check_matmul_scaling(matmul, scaling)
+        object.__setattr__(self, "matmul_dtype", None if matmul is None else _SCALAR_TYPES[matmul])
+        object.__setattr__(self, "fp8_scaling", scaling)
 
     def cast_to_param(self, x: T) -> T:
         """Casts the floating point arrays of a pytree to the param dtype."""
@@ -289,7 +327,7 @@ class Policy:
             with a matmul dtype, which Haiku would silently drop.
         """
         if self.matmul_dtype is not None:
-            _refuse_haiku(self, self.matmul_dtype, sys._getframe(1))
+            _refuse_haiku(self, np.dtype(self.matmul_dtype), sys._getframe(1))
         return _cast_floating_to(x, self.compute_dtype)
 
     def cast_to_output(self, x: T) -> T:
@@ -324,7 +362,8 @@ class Policy:
         scaling = implied or (
             self.fp8_scaling if self.fp8_scaling in scalings_of(dtype) else scalings_of(dtype)[0]
         )
-        return dataclasses.replace(self, matmul_dtype=dtype, fp8_scaling=scaling)
+        matmul: Any = dtype  # Normalised to a scalar type by __post_init__.
+        return dataclasses.replace(self, matmul_dtype=matmul, fp8_scaling=scaling)
 
     def with_fp8_scaling(self, fp8_scaling: str) -> Policy:
         """Returns a copy of this policy with another scaling of its FP8 matmul dtype
@@ -338,11 +377,13 @@ class Policy:
 
     def __str__(self) -> str:
         p, c, o = (
-            _DTYPE_NAMES[d][0] for d in (self.param_dtype, self.compute_dtype, self.output_dtype)
+            _DTYPE_NAMES[np.dtype(d)][0]
+            for d in (self.param_dtype, self.compute_dtype, self.output_dtype)
         )
         if self.matmul_dtype is None:
             return f"p={p},c={c},o={o}"  # jmp's form, for every jmp policy.
-        return f"p={p},c={c},o={o},m={_MATMUL_NAMES[self.matmul_dtype, self.fp8_scaling][0]}"
+        m = _MATMUL_NAMES[np.dtype(self.matmul_dtype), self.fp8_scaling][0]
+        return f"p={p},c={c},o={o},m={m}"
 
 
 def _parse_dtype(value: str) -> np.dtype:
@@ -404,7 +445,7 @@ def get_policy(spec: str | Policy) -> Policy:
     'rowwise'
     >>> policy = jmp.get_policy("mixed_nvfp4")
     >>> policy.matmul_dtype, policy.fp8_scaling
-    (dtype(float4_e2m1fn), 'nvfp4')
+    (<class 'jax.numpy.float4_e2m1fn'>, 'nvfp4')
     """
     if isinstance(spec, Policy):
         return spec

@@ -101,7 +101,7 @@ def attribute_overrides(module: Any, policy: Policy, *, keep_dtype: bool = False
     """
     if keeps_its_dtypes(module):
         return {}
-    compute = policy.compute_dtype
+    compute: Any = policy.compute_dtype
     if asks_full_precision(getattr(module, "precision", None)):
         compute = np.promote_types(compute, np.float32)
     overrides = {"dtype": compute, "param_dtype": policy.param_dtype}

@@ -838,7 +838,7 @@ def _explain_state_dtypes(error: Exception, variables: Any, policy: Policy) -> N
     """
     if not jax_internals.is_dtype_mismatch(error) or not isinstance(variables, Mapping):
         return  # The user's own error, or another of JAX's: it reaches the user unchanged.
-    c = policy.compute_dtype
+    c = np.dtype(policy.compute_dtype)
     mismatched = {}
     for name, tree in variables.items():
         if name in ("params", "batch_stats"):

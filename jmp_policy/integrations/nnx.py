@@ -53,7 +53,10 @@ _NORMS = (nnx.BatchNorm, nnx.GroupNorm, nnx.InstanceNorm, nnx.LayerNorm, nnx.RMS
 
 
 def _norm_policy(policy: Policy) -> Policy:
-    if policy.compute_dtype.itemsize >= 4 or jax.config.jax_numpy_dtype_promotion != "strict":
+    if (
+        np.dtype(policy.compute_dtype).itemsize >= 4
+        or jax.config.jax_numpy_dtype_promotion != "strict"
+    ):
         return policy
     return policy.with_compute_dtype(np.float32)
 
@@ -171,7 +174,7 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
     ...     nnx.Linear(8, 2, rngs=nnx.Rngs(0)))
     >>> mixed = jmp_policy.nnx.with_policy(model, "mixed_bfloat16", rules={"layers/2": "f32"})
     >>> mixed.layers[0].dtype, mixed.layers[0].kernel.dtype, model.layers[0].dtype
-    (dtype(bfloat16), dtype('float32'), None)
+    (<class 'jax.numpy.bfloat16'>, dtype('float32'), None)
     >>> mixed(jnp.ones((4, 3))).dtype  # The last Linear computes in float32.
     dtype('float32')
     """
@@ -326,7 +329,7 @@ class PolicyModule(nnx.Module):
     ...     return loss
     >>> loss = train_step(model, optimizer, jnp.ones((4, 3)))
     >>> model(jnp.ones((4, 3))).dtype, model.module.kernel.dtype, model.module.dtype
-    (dtype('float32'), dtype('float32'), dtype(bfloat16))
+    (dtype('float32'), dtype('float32'), <class 'jax.numpy.bfloat16'>)
     """
 
     def __init__(

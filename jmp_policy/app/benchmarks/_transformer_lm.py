@@ -136,7 +136,7 @@ def loss_fn(apply: Callable[..., jax.Array], params: Any, batch: jax.Array) -> j
 def init_params(model: TransformerLM, policy: Any, seed: int = 0) -> Any:
     """The initial parameters, created in the policy's param dtype (cached, as they
     depend only on the model, the param dtype and the seed)."""
-    return _init_params(model, jmp_policy.get_policy(policy).param_dtype, seed)
+    return _init_params(model, np.dtype(jmp_policy.get_policy(policy).param_dtype), seed)
 
 
 @functools.cache
