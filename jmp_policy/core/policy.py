@@ -210,6 +210,8 @@ def _is_weak(x: Any) -> bool:
 
 
 def _cast_floating_to(tree: T, dtype: jax.typing.DTypeLike) -> T:
+    dtype = np.dtype(dtype)  # Compared once per leaf: a scalar type would be converted each time.
+
     def cast(x):
         if not _is_float_array(x):
             return x
@@ -287,7 +289,7 @@ class Policy:
         output_dtype: Any,
         matmul_dtype: Any = None,
         fp8_scaling: str = "tensor",
-    ):
+    ) -> None:
         for name, value in (
             ("param_dtype", param_dtype),
             ("compute_dtype", compute_dtype),
