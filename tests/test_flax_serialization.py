@@ -73,6 +73,12 @@ def test_state_dict_holds_the_leaves_by_name():
     assert _bits(back) == _bits(scale) and (back.period, back.hysteresis) == (3, 2)
     assert serialization.to_state_dict(jmp.StaticLossScale(8.0)) == {}
     assert serialization.to_state_dict(jmp.NoOpLossScale()) == {}
+    # loss_scaled's own state, as `to_state_dict`/`from_state_dict` see it.
+    opt_state = state.opt_state
+    as_dict = serialization.to_state_dict(opt_state)
+    assert sorted(as_dict) == ["inner_state", "loss_scale", "notfinite_count", "total_notfinite"]
+    back = serialization.from_state_dict(state.tx.init(state.params), as_dict)
+    assert type(back) is jmp.LossScaledState and _bits(back) == _bits(opt_state)
 
 
 def test_restoring_into_a_target_of_another_shape_names_the_fields():

@@ -392,6 +392,9 @@ def test_docs_list_each_difference_with_a_test_that_exists():
         "test_noop_loss_scale_value_is_float32",
         "test_strong_leaf_in_target_dtype_adds_no_convert",
         "test_integer_leaves_are_not_scaled",
+        "test_select_tree_keeps_shared_non_array_leaves",
+        "test_policy_subclass_with_a_required_field",
+        "test_hyperparameters_are_static_numbers",
     } <= listed
 
 
@@ -419,6 +422,22 @@ def test_select_tree_keeps_shared_non_array_leaves():
     w, act, p, flag = jmp_policy.select_tree(jnp.bool_(False), a, b)
     np.testing.assert_array_equal(w, b[0])
     assert act is jnp.tanh and type(p) is float and flag is True
+
+
+def test_hyperparameters_are_static_numbers():
+    """jmp keeps a StaticLossScale's scale and a DynamicLossScale's floor as
+    arrays; jmp_policy as Python numbers, static in the pytree (a static scale is
+    a compile-time constant). The leaves are jmp's; the treedef holds more, and
+    JAX's pytree functions flatten (jmp's `tree_flatten` methods are not there)."""
+    theirs, ours = real_jmp.StaticLossScale(jnp.float32(4.0)), jmp_policy.StaticLossScale(4.0)
+    assert isinstance(theirs.loss_scale, jax.Array) and type(ours.loss_scale) is float
+    assert jax.tree.leaves(ours) == [] and float(theirs.loss_scale) == ours.loss_scale
+    theirs = real_jmp.DynamicLossScale(jnp.float32(4.0), min_loss_scale=jnp.float32(2.0))
+    ours = jmp_policy.DynamicLossScale(jnp.float32(4.0), min_loss_scale=jnp.float32(2.0))
+    assert isinstance(theirs.min_loss_scale, jax.Array) and type(ours.min_loss_scale) is float
+    assert [x.dtype for x in jax.tree.leaves(ours)] == [x.dtype for x in jax.tree.leaves(theirs)]
+    assert jax.tree.structure(ours) != jax.tree.structure(theirs)
+    assert hasattr(theirs, "tree_flatten") and not hasattr(ours, "tree_flatten")
 
 
 def _jmp_style_training(lib: Any, spec: str, steps: int = 5, devices: int = 2):
