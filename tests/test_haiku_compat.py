@@ -84,3 +84,31 @@ def test_a_matmul_dtype_is_refused_by_haiku_and_taken_by_autocast():
         assert [o.operand_types for o in dots] == [("f8E4M3FN", "f8E4M3FN")]
     finally:
         hk.mixed_precision.clear_policy(hk.Linear)
+
+
+def test_haiku_is_recognised_through_a_policy_subclass():
+    """Haiku is recognised by what it says (`hk.mixed_precision.current_policy()`),
+    not by who calls: a jmp-style Policy subclass whose `cast_to_compute` calls
+    `super()` (a logging policy) was let through, its matmul dtype silently
+    dropped. A user's own cast outside Haiku's policy scope is not refused."""
+    import dataclasses
+
+    import haiku as hk
+    import jax
+    import jax.numpy as jnp
+
+    @dataclasses.dataclass(frozen=True)
+    class LoggingPolicy(jmp_policy.Policy):
+        def cast_to_compute(self, x):
+            return super().cast_to_compute(x)
+
+    policy = LoggingPolicy("f32", "bf16", "f32", matmul_dtype="f8")
+    net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(4)(x)))
+    x = jnp.ones((2, 3))
+    hk.mixed_precision.set_policy(hk.Linear, policy)
+    try:
+        with pytest.raises(ValueError, match=r"matmul dtype \(m=float8_e4m3fn\) Haiku cannot"):
+            net.init(jax.random.key(0), x)
+    finally:
+        hk.mixed_precision.clear_policy(hk.Linear)
+    assert policy.cast_to_compute(x).dtype == jnp.bfloat16  # No Haiku policy in force.

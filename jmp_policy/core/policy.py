@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
-import types
 import typing
 from typing import Any, TypeVar
 
@@ -185,10 +184,16 @@ def _check_matmul_scaling(dtype: np.dtype | None, scaling: str) -> str:
     )
 
 
-def _refuse_haiku(policy: Policy, matmul_dtype: np.dtype, caller: types.FrameType) -> None:
+def _refuse_haiku(policy: Policy, matmul_dtype: np.dtype) -> None:
     """Haiku's `hk.mixed_precision` casts a module's inputs and parameters but
-    runs its products as written: a matmul dtype would be dropped silently."""
-    if caller.f_globals.get("__name__", "").startswith("haiku."):
+    runs its products as written: a matmul dtype would be dropped silently.
+
+    Haiku says, by its public `current_policy()`, that it applies this very
+    policy now (it makes it current before casting). A user's own cast inside
+    such a module is refused too: loudly, never silently wrong. Haiku is not
+    imported here: unless loaded, it applies no policy."""
+    haiku = sys.modules.get("haiku.mixed_precision")
+    if haiku is not None and haiku.current_policy() is policy:
         raise ValueError(
             f"hk.mixed_precision got the policy {policy}, whose matmul dtype "
             f"(m={matmul_dtype.name}) Haiku cannot apply: it casts inputs and "
@@ -329,7 +334,7 @@ class Policy:
             with a matmul dtype, which Haiku would silently drop.
         """
         if self.matmul_dtype is not None:
-            _refuse_haiku(self, np.dtype(self.matmul_dtype), sys._getframe(1))
+            _refuse_haiku(self, np.dtype(self.matmul_dtype))
         return _cast_floating_to(x, self.compute_dtype)
 
     def cast_to_output(self, x: T) -> T:
