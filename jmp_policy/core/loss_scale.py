@@ -47,20 +47,34 @@ def _at_least_float32(x: jax.Array) -> jax.Array:
     return x if x.dtype.itemsize >= 4 else x.astype(np.float32)
 
 
-def _scale_tree(tree: T, multiply: bool, loss_scale: jax.typing.ArrayLike) -> T:
+def _scale_tree(
+    tree: T, multiply: bool, loss_scale: jax.typing.ArrayLike, exact: bool = False
+) -> T:
     # In float32 (or wider): a half value times 2**15 would overflow, and half
     # gradients divided back in half precision would be rounded twice.
     # Unscaling multiplies by the reciprocal, as jmp and PyTorch's GradScaler
-    # do. For a power-of-two scale a division gives the same gradients, but
-    # XLA compiles what reads them (a global norm's sum) to other bits than jmp.
+    # do, or divides (`exact`): the same values for a power-of-two scale, but
+    # XLA contracts a multiply into what reads it (a fused multiply-add in the
+    # optimizer, a norm's sum of squares), a division not. So the reciprocal
+    # gives a jmp loop's bits, the division the unscaled run's.
     def apply(x):
         if not _is_inexact(x):
             return x
         x = _at_least_float32(jnp.asarray(x))
         s = jnp.asarray(loss_scale, x.dtype)
-        return x * s if multiply else x * (1 / s)
+        if multiply:
+            return x * s
+        return x / s if exact else x * (1 / s)
 
     return jax.tree.map(apply, tree)
+
+
+def unscale_exactly(loss_scale: LossScale, tree: T) -> T:
+    """`loss_scale.unscale(tree)` by a division, for `loss_scaled`: where the optimizer's
+    arithmetic allows, training gives the unscaled run's bits (see `_scale_tree`)."""
+    if isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
+        return _scale_tree(tree, False, loss_scale.loss_scale, exact=True)
+    return loss_scale.unscale(tree)  # NoOpLossScale: the gradients as they are.
 
 
 def _is_array_like(x: Any) -> bool:

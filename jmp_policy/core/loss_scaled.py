@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_policy.core.loss_scale import LossScale, all_finite, select_tree
+from jmp_policy.core.loss_scale import LossScale, all_finite, select_tree, unscale_exactly
 
 
 class LossScaledState(NamedTuple):
@@ -59,8 +59,8 @@ def loss_scaled(
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer for gradients of a loss scaled by a `LossScale`.
 
-    `update` receives the gradients of `loss_scale.scale(loss)`. It unscales
-    them (in float32), checks they are all finite and only then
+    `update` receives the gradients of `loss_scale.scale(loss)`. It divides
+    them by the scale (in float32), checks they are all finite and only then
     lets `inner` see them, so clipping, weight decay, accumulation and
     schedules inside `inner` work on true gradients. On a non-finite step it
     returns zero updates and keeps `inner`'s state bit for bit (schedules do
@@ -131,7 +131,7 @@ def loss_scaled(
                 f"this transformation's init (or a previous update), got a "
                 f"{type(state).__name__}: {_short_repr(state)}."
             )
-        grads = state.loss_scale.unscale(grads)
+        grads = unscale_exactly(state.loss_scale, grads)
         finite = all_finite(grads, axis_name=axis_name)
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
         # Half parameters get float32 gradients (unscaling is in float32), from

@@ -150,7 +150,8 @@ def finite_gradients(loss_fn: Callable[[Any], jax.Array], params: Any) -> bool:
 
 def is_fp8(policy: str) -> bool:
     """An FP8 or FP4 policy (current or block scaling)."""
-    return jmp.get_policy(policy).matmul_dtype in OVER_BF16
+    matmul = jmp.get_policy(policy).matmul_dtype
+    return matmul is not None and np.dtype(matmul) in OVER_BF16
 
 
 def assert_decodes_as_uncached(
