@@ -14,6 +14,7 @@ what differs (a shape, a dtype, the CPU form's setting) is not shared.
 from __future__ import annotations
 
 import gc
+import types
 from unittest import mock
 
 import jax
@@ -283,22 +284,50 @@ def test_an_attention_that_reads_a_variable_is_never_stale():
     assert not any(autocast._SHARED_REWRITES.values())  # Nothing of it was shared.
 
 
-def test_only_functions_that_read_nothing_that_changes_share_a_rewrite():
-    w = jnp.ones((WIDTH, WIDTH))
-    scale = 2.0
+# What an attention function may read besides its arguments: a Python module's
+# attribute and a class attribute (a temperature set by a config, a schedule).
+TEMPERATURE = types.ModuleType("temperature")
+TEMPERATURE.value = 1.0
 
-    def reads_an_array(x):
-        return x @ w
 
-    def reads_a_plain_global(x):
-        return jnp.tanh(x) * WIDTH
+class Sharpness:
+    value = 1.0
 
-    assert not autocast._reads_nothing_that_changes(reads_an_array)
-    assert not autocast._reads_nothing_that_changes(lambda x: x * scale + w)
-    assert autocast._reads_nothing_that_changes(lambda x: x * scale)
-    assert autocast._reads_nothing_that_changes(reads_a_plain_global)
-    assert autocast._reads_nothing_that_changes(jax.nn.dot_product_attention)
-    assert not autocast._reads_nothing_that_changes(np.ones(3).sum)  # A bound method.
+
+def tempered_attention(q, k, v, **kwargs):
+    from flax import nnx
+
+    q = q * (Sharpness.value / TEMPERATURE.value)
+    return nnx.dot_product_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("setting", [TEMPERATURE, Sharpness], ids=["module", "class"])
+@jax.numpy_dtype_promotion("standard")  # jax.nn's attention mixes bf16 and f32.
+def test_an_attention_that_reads_a_global_setting_is_never_stale(setting):
+    """A module or class attribute the attention reads is no argument: only Flax's
+    own attention shares a trace, so a changed setting is seen at the next call."""
+    from flax import nnx
+
+    import jmp_policy.nnx  # noqa: F401  (jmp.nnx)
+
+    x = jax.random.normal(jax.random.key(1), (2, 4, WIDTH))
+    plain = nnx.MultiHeadAttention(
+        2, WIDTH, decode=False, attention_fn=tempered_attention, rngs=nnx.Rngs(0)
+    )
+    model = jmp.nnx.PolicyModule(plain, "p=f32,c=bf16,o=f32,m=bf16")
+    autocast.clear_shared_traces()
+    outs, wants = [], []
+    try:
+        for value in (1.0, 2.0):
+            setting.value = value
+            outs.append(model(x))
+            wants.append(plain(x))
+    finally:
+        setting.value = 1.0
+    for out, want, other in zip(outs, wants, wants[::-1]):
+        np.testing.assert_allclose(out, want, atol=0.1)  # bf16 products
+        assert jnp.mean(jnp.abs(out - want)) < jnp.mean(jnp.abs(out - other)) / 4
+    assert not any(autocast._SHARED_REWRITES.values())
 
 
 def test_a_shared_rewrite_keeps_no_function_or_module_alive():

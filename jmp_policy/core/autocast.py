@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
-import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -167,13 +166,13 @@ def matmuls_in(
     product traced inside `matmul_scope(d)` takes `d` instead (None: as
     written), the innermost scope winning; `matmul_dtype` may then be None.
     Array arguments are traced, anything else is static. With `shared` (not
-    with `scoped`), for a pure `fn` called often with the same shapes (the
+    with `scoped`), for an `fn` called often with the same shapes (the
     attention of every layer): calls whose other arguments are plain values
     (numbers, strings, dtypes, enums, None) share one traced rewrite per
-    signature, an inlined `jax.jit`; their results must be arrays. Only
-    where `fn` reads nothing that can change (no array, variable or module
-    in its closure, defaults or globals; a bound method never): otherwise
-    each call is rewritten on its own, so no value goes stale.
+    signature, an inlined `jax.jit`; their results must be arrays. The caller
+    vouches that `fn` reads nothing but its arguments: what it read otherwise
+    (an array, a variable, a module's attribute) would stay as first traced.
+    jmp_policy shares only Flax's own `dot_product_attention`.
     """
     rules = Rules(
         compute_dtype=_F32,
@@ -201,61 +200,8 @@ def matmuls_in(
 _SHARED_REWRITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-# Packages whose functions read no array or module that can change.
-_LIBRARIES = frozenset({"builtins", "jax", "jaxlib", "flax", "numpy", "optax", "math"})
-
-
-def _from_library(fn: Any) -> bool:
-    return (getattr(fn, "__module__", None) or "").split(".")[0] in _LIBRARIES
-
-
-def _names_read(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):  # A lambda or comprehension inside.
-            names |= _names_read(const)
-    return names
-
-
-def _reads_nothing_that_changes(fn: Any, seen: set[int] | None = None) -> bool:
-    """Whether one trace of `fn` serves every call with the same signature.
-
-    True only if all `fn` closes over, binds, defaults to and reads as a
-    global is a plain value, a Python module, a class, or a function of the
-    same kind (JAX's, Flax's and the standard library's own count as such);
-    an array, a module's variable or a bound method would be baked into the
-    trace and go stale when it changes.
-    """
-    seen = set() if seen is None else seen
-    if id(fn) in seen:
-        return True
-    seen.add(id(fn))
-    if isinstance(fn, functools.partial):
-        bound = (fn.func, *fn.args, *fn.keywords.values())
-        return all(_is_unchanging(v, seen) for v in bound)
-    if _from_library(fn):
-        return True
-    if not isinstance(fn, types.FunctionType):
-        return False  # A bound method, a callable object: it holds state.
-    try:
-        values = [cell.cell_contents for cell in fn.__closure__ or ()]
-    except ValueError:  # A cell not filled yet.
-        return False
-    values += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
-    values += [fn.__globals__[n] for n in _names_read(fn.__code__) if n in fn.__globals__]
-    return all(_is_unchanging(v, seen) for v in values)
-
-
-def _is_unchanging(value: Any, seen: set[int]) -> bool:
-    if ji.is_plain(value) or isinstance(value, (types.ModuleType, type)):
-        return True
-    return callable(value) and _reads_nothing_that_changes(value, seen)
-
-
 def _shared_rewrite(fn: Callable, rules: Rules, args: tuple, kwargs: dict) -> Any:
     """`fn(*args, **kwargs)` rewritten through its shared trace; NotImplemented if none can be."""
-    if not _reads_nothing_that_changes(fn):
-        return NotImplemented  # Its trace would keep what it reads now: rewritten per call.
     leaves, treedef = jax.tree.flatten((args, kwargs))
     is_array = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
     static = tuple((type(x), x) for x, a in zip(leaves, is_array) if not a)
