@@ -152,9 +152,9 @@ def matmul_overrides(module: Any, policy: Policy, *, rewritten: bool = False) ->
         )
     if isinstance(module, nnx.MultiHeadAttention):
         # Every layer's attention has the same shapes: Flax's own, which reads
-        # nothing but its arguments, shares one rewrite (12 layers and their
-        # gradient trace 2.7x faster). Another may read what changes between
-        # calls (a bias, a temperature): rewritten per call, never stale.
+        # nothing but its arguments, shares one rewrite (traced once for all
+        # layers). Another may read what changes between calls (a bias, a
+        # temperature): rewritten per call, never stale.
         own = module.attention_fn is nnx.dot_product_attention
         overrides["attention_fn"] = matmuls_in(
             module.attention_fn, policy.matmul_dtype, policy.fp8_scaling, shared=own
