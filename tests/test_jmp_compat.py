@@ -512,7 +512,7 @@ def test_jmp_style_training_loop_is_bit_equal(compute):
     """Five steps of a jmp client's loop (pmap, loss scaling, `select_tree`) give
     jmp's losses, gradient norms, loss-scale trajectory and parameter bits. `unscale`
     multiplies by the reciprocal as jmp does: a division gives the same gradients
-    for a power-of-two scale, but XLA contracts what reads them otherwise."""
+    for a power-of-two scale, but XLA compiles what reads them to other bits."""
     spec = f"params=float32,compute={compute},output=float32"
     (theirs, their_history) = _jmp_style_training(real_jmp, spec)
     (ours, our_history) = _jmp_style_training(jmp_policy, spec)

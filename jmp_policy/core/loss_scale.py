@@ -54,9 +54,10 @@ def _scale_tree(
     # gradients divided back in half precision would be rounded twice.
     # Unscaling multiplies by the reciprocal, as jmp and PyTorch's GradScaler
     # do, or divides (`exact`): the same values for a power-of-two scale, but
-    # XLA contracts a multiply into what reads it (a fused multiply-add in the
-    # optimizer, a norm's sum of squares), a division not. So the reciprocal
-    # gives a jmp loop's bits, the division the unscaled run's.
+    # XLA compiles what reads them (an optimizer's update, a norm's sum of
+    # squares) to other bits in the last place after one than after the
+    # other. The reciprocal gives a jmp loop's bits, the division the
+    # unscaled run's (tests/test_jmp_compat.py, tests/test_reliability.py).
     def apply(x):
         if not _is_inexact(x):
             return x

@@ -215,7 +215,7 @@ def _is_weak(x: Any) -> bool:
 
 
 def _cast_floating_to(tree: T, dtype: jax.typing.DTypeLike) -> T:
-    dtype = np.dtype(dtype)  # Compared once per leaf: a scalar type would be converted each time.
+    dtype = np.dtype(dtype)  # Once: a scalar type would be converted at every leaf.
 
     def cast(x):
         if not _is_float_array(x):
@@ -285,7 +285,7 @@ class Policy:
     matmul_dtype: DType | None = dataclasses.field(default=None, kw_only=True)
     fp8_scaling: str = dataclasses.field(default="tensor", kw_only=True)
 
-    # Positional here, as before subclassing was possible; a subclass's
+    # All five positional here (`Policy(p, c, o, "mxfp8")`); a subclass's
     # generated `__init__` takes the two keyword-only fields by keyword.
     def __init__(
         self,
