@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from jmp_policy.app.fp8_doctor import recommend_fp8_rules
     from jmp_policy.integrations.linen import with_policy
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"  # 0.3: Policy fields are JAX scalar types (were np.dtype)
 
 # Names whose modules import Flax or matplotlib: loaded when first used.
 _LAZY = {
