@@ -54,9 +54,10 @@ def test_train_state_round_trips_through_to_bytes(kind):
     restored = serialization.from_bytes(fresh, serialization.to_bytes(state))
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     assert _bits(restored) == _bits(state)
-    scale = jmp.get_loss_scale(restored.opt_state)
-    assert scale == jmp.get_loss_scale(fresh.opt_state) or kind in ("dynamic", "hysteresis")
-    assert type(scale) is type(jmp.get_loss_scale(state.opt_state))
+    scale, saved = jmp.get_loss_scale(restored.opt_state), jmp.get_loss_scale(state.opt_state)
+    assert type(scale) is type(saved)
+    if kind in ("static", "noop"):  # No leaves: the hyperparameters are the target's.
+        assert scale == saved
     assert int(restored.opt_state.total_notfinite) == 1
     # The restored state trains on as the original does.
     grads = jax.tree.map(jnp.ones_like, state.params)
@@ -66,7 +67,6 @@ def test_train_state_round_trips_through_to_bytes(kind):
 def test_state_dict_holds_the_leaves_by_name():
     state = _trained(LOSS_SCALES["hysteresis"]())
     scale = jmp.get_loss_scale(state.opt_state)
-    assert float(scale.loss_scale) == 2.0**14 or float(scale.loss_scale) == 2.0**15
     as_dict = serialization.to_state_dict(scale)
     assert sorted(as_dict) == ["counter", "loss_scale", "overflows"]
     back = serialization.from_state_dict(jmp.DynamicLossScale(1.0, period=3, hysteresis=2), as_dict)
