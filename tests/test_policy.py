@@ -51,6 +51,9 @@ PRESETS = {
     "mixed_bfloat16": (F32, BF16, F32),
     "mixed_float16": (F32, F16, F32),
     "mixed_float8": (F32, BF16, F32),  # and matmul_dtype float8_e4m3fn
+    "mixed_float8_rowwise": (F32, BF16, F32),  # FP8 scaled per row
+    "mixed_mxfp8": (F32, BF16, F32),  # and the block formats
+    "mixed_nvfp4": (F32, BF16, F32),
 }
 
 # Other ways users spell each dtype; all must give the same policy.
