@@ -62,20 +62,34 @@ def _standard_promotion():
         yield
 
 
-def test_a_matmul_dtype_is_refused_by_haiku_and_taken_by_autocast():
+def _linear_refusing(policy):
+    """A Haiku Linear under `hk.mixed_precision` with `policy` (left set: the caller
+    clears it), whose `init` must refuse the FP8 matmul dtype; `(net, x)`."""
     import haiku as hk
     import jax
     import jax.numpy as jnp
 
-    from helpers import lowered_ops
-
-    policy = jmp_policy.get_policy("p=f32,c=bf16,o=f32,m=float8_e4m3fn")
     net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(4)(x)))
     x = jnp.ones((2, 3))
     hk.mixed_precision.set_policy(hk.Linear, policy)
     try:
         with pytest.raises(ValueError, match=r"matmul dtype \(m=float8_e4m3fn\) Haiku cannot"):
             net.init(jax.random.key(0), x)
+    except BaseException:
+        hk.mixed_precision.clear_policy(hk.Linear)
+        raise
+    return net, x
+
+
+def test_a_matmul_dtype_is_refused_by_haiku_and_taken_by_autocast():
+    import haiku as hk
+    import jax
+
+    from helpers import lowered_ops
+
+    policy = jmp_policy.get_policy("p=f32,c=bf16,o=f32,m=float8_e4m3fn")
+    net, x = _linear_refusing(policy)
+    try:
         # The way it names: Haiku without the matmul dtype, autocast with it.
         hk.mixed_precision.set_policy(hk.Linear, policy.with_matmul_dtype(None))
         params = net.init(jax.random.key(0), x)
@@ -94,7 +108,6 @@ def test_haiku_is_recognised_through_a_policy_subclass():
     import dataclasses
 
     import haiku as hk
-    import jax
     import jax.numpy as jnp
 
     @dataclasses.dataclass(frozen=True)
@@ -103,12 +116,6 @@ def test_haiku_is_recognised_through_a_policy_subclass():
             return super().cast_to_compute(x)
 
     policy = LoggingPolicy("f32", "bf16", "f32", matmul_dtype="f8")
-    net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(4)(x)))
-    x = jnp.ones((2, 3))
-    hk.mixed_precision.set_policy(hk.Linear, policy)
-    try:
-        with pytest.raises(ValueError, match=r"matmul dtype \(m=float8_e4m3fn\) Haiku cannot"):
-            net.init(jax.random.key(0), x)
-    finally:
-        hk.mixed_precision.clear_policy(hk.Linear)
+    _, x = _linear_refusing(policy)
+    hk.mixed_precision.clear_policy(hk.Linear)
     assert policy.cast_to_compute(x).dtype == jnp.bfloat16  # No Haiku policy in force.
