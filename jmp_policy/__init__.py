@@ -64,10 +64,30 @@ def _nnx_state_handler(run, fn, args, kwargs):
     return autocast_with_state(run, fn, args, kwargs)
 
 
-from jmp_policy.core.autocast import register_state_handler  # noqa: E402
+def _linen_state_reader(fn, kwargs, result):
+    # Linen's `init` returns variables and `apply(..., mutable=...)` the
+    # updated collections: state, as the model made it.
+    if "flax.linen" not in sys.modules:
+        return None
+    from jmp_policy.integrations.linen import state_in_result
+
+    return state_in_result(fn, kwargs)
+
+
+def _equinox_state_reader(fn, kwargs, result):
+    if "equinox" not in sys.modules:
+        return None
+    from jmp_policy.integrations.equinox import state_in_result
+
+    return state_in_result(result)
+
+
+from jmp_policy.core.autocast import register_state_handler, register_state_reader  # noqa: E402
 from jmp_policy.integrations.flax_serialization import register_when_flax_loads  # noqa: E402
 
 register_state_handler(_nnx_state_handler)
+register_state_reader(_linen_state_reader)
+register_state_reader(_equinox_state_reader)
 # Loss scales in `flax.serialization` checkpoints, without importing Flax.
 register_when_flax_loads()
 

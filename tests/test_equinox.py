@@ -86,14 +86,21 @@ def test_autocast_returns_modules_with_non_array_leaves():
     def build(key):  # Nothing goes in: the layers it makes come back as made.
         return eqx.nn.MLP(3, 2, 4, depth=1, activation=jax.nn.gelu, key=key)
 
+    w0 = mlp.layers[0].weight
     for run in (lambda f, *a: f(*a), lambda f, *a: eqx.filter_jit(f)(*a)):
         new, y = run(autocast(scale_first_layer, "c=bf16"), mlp, jnp.float32(2.0))
         assert new.activation is jax.nn.gelu and new.final_activation is mlp.final_activation
-        # The module went in and came back: its parameters keep their dtype.
+        # What came back as it went in keeps its dtype; the weight computed
+        # from it is a result, unless said to be state.
+        assert new.layers[0].weight.dtype == BF16 and y.dtype == BF16
+        assert float_dtypes(eqx.tree_at(lambda m: m.layers[0].weight, new, w0)) == {F32}
+        said = autocast(scale_first_layer, "c=bf16", returns_state=(True, False))
+        new, y = run(said, mlp, jnp.float32(2.0))
         assert float_dtypes(new) == {F32} and y.dtype == BF16
         np.testing.assert_array_equal(new.layers[0].weight, 2 * mlp.layers[0].weight)
-    built = eqx.filter_jit(autocast(build, "c=bf16"))(jax.random.key(1))
-    assert built.activation is jax.nn.gelu and float_dtypes(built) == {F32}
+    built = eqx.filter_jit(autocast(build, "c=bf16", returns_state=True))(jax.random.key(1))
+    assert built.activation is jax.nn.gelu and float_dtypes(built) == {F32}  # As made.
+    assert float_dtypes(eqx.filter_jit(autocast(build, "c=bf16"))(jax.random.key(1))) == {BF16}
 
 
 def batch_norm_step(bn):

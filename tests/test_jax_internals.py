@@ -43,7 +43,9 @@ def test_every_internal_has_a_probe():
         "custom_vjp_call: its primal program and where its function is",
         "the loop-carry type error",
         "the dtype-mismatch errors",
-        "writes of another float dtype: their errors, and tracing them",
+        "writes of another float dtype: their errors",
+        "loops, branches and calls: their programs, and a loop body's trace",
+        "where an equation comes from",
         "eval_jaxpr: name stacks, contexts, literals, bind parameters",
     }
     assert set(PROBES) == expected

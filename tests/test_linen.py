@@ -1391,7 +1391,8 @@ class SinusoidalEmbedding(nn.Module):
 
     @nn.compact
     def __call__(self, t):
-        SEEN["timesteps"] = t
+        # The values it is called with (the call is traced: read them back by callback).
+        jax.debug.callback(lambda v: SEEN.update(timesteps=v), t)
         half = self.dim // 2
         freqs = jnp.exp(-np.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
         angles = t[:, None] * freqs.astype(t.dtype)[None]

@@ -469,7 +469,8 @@ class SinusoidalEmbedding(nnx.Module):
     """Plain `jnp` (no `dtype` attribute)."""
 
     def __call__(self, t):
-        SEEN["timesteps"] = t
+        # The values it is called with (the call is traced: read them back by callback).
+        jax.debug.callback(lambda v: SEEN.update(timesteps=v), t)
         freqs = jnp.exp(-np.log(10000.0) * jnp.arange(32, dtype=jnp.float32) / 32)
         angles = t[:, None] * freqs.astype(t.dtype)[None]
         return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)

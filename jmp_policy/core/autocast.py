@@ -116,6 +116,28 @@ def register_state_handler(handler: StateHandler) -> None:
         _STATE_HANDLERS.append(handler)
 
 
+# Readers of what a framework's API says is state in a call's result (linen's
+# `apply(..., mutable=...)` returns the updated collections, Equinox keeps it
+# in `eqx.nn.State`): `reader(fn, kwargs, result)` returns a `returns_state`
+# prefix of the result, or None.
+StateReader = Callable[[Callable, dict, Any], Any]
+_STATE_READERS: list[StateReader] = []
+
+
+def register_state_reader(reader: StateReader) -> None:
+    """Lets `autocast` know which parts of a framework call's result are state."""
+    if reader not in _STATE_READERS:
+        _STATE_READERS.append(reader)
+
+
+def _framework_state(fn: Callable, kwargs: dict, result: Any) -> ReturnsState:
+    for reader in _STATE_READERS:
+        said = reader(fn, kwargs, result)
+        if said is not None:
+            return said
+    return None
+
+
 def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
     if isinstance(ops, str):
         ops = [ops]
@@ -149,6 +171,19 @@ def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
     return frozenset(names)
 
 
+def matmul_rules(matmul_dtype: Any, fp8_scaling: str = "tensor", *, scoped: bool = False) -> Rules:
+    """The `Rules` of `matmuls_in`: every `dot_general` takes `matmul_dtype`'s product."""
+    return Rules(
+        compute_dtype=_F32,
+        half=frozenset({"dot_general"}),
+        float32=frozenset(),
+        promote=frozenset(),
+        matmul_dtype=None if matmul_dtype is None else np.dtype(matmul_dtype),
+        fp8_scaling=fp8_scaling,
+        scoped=scoped,
+    )
+
+
 def matmuls_in(
     fn: Callable,
     matmul_dtype: Any,
@@ -174,15 +209,7 @@ def matmuls_in(
     (an array, a variable, a module's attribute) would stay as first traced.
     jmp_policy shares only Flax's own `dot_product_attention`.
     """
-    rules = Rules(
-        compute_dtype=_F32,
-        half=frozenset({"dot_general"}),
-        float32=frozenset(),
-        promote=frozenset(),
-        matmul_dtype=None if matmul_dtype is None else np.dtype(matmul_dtype),
-        fp8_scaling=fp8_scaling,
-        scoped=scoped,
-    )
+    rules = matmul_rules(matmul_dtype, fp8_scaling, scoped=scoped)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -254,10 +281,11 @@ def autocast(
     linen or NNX, Equinox), in the spirit of `torch.autocast`: see the module
     docstring for the rules. Arrays keep the dtypes they are given (storage is
     `Policy.cast_to_param`'s job); only the operations are rewritten, and the
-    floating results are cast to `policy.output_dtype`, except state: a
-    container in the result with the structure and shapes of one among the
-    arguments (an Equinox `State`, a carry, a cache, a module) comes back in
-    that argument's dtypes, by the rule linen's `with_policy` and
+    floating results are cast to `policy.output_dtype`, except state, read
+    from the traced program: a cache written or grown, a value passed
+    through, a loop's carry (and `fn`'s carry where JAX traces it as a loop
+    body), an Equinox `State`, linen's `mutable` collections come back in
+    the dtypes they went in, by the rule linen's `with_policy` and
     `jmp_policy.nnx` use too (`jmp_policy.core.state`). Non-array results (an
     Equinox module's activation) come back as returned. `param_dtype` is not
     used. Array arguments are traced, anything else is static. Each call traces
@@ -288,7 +316,7 @@ def autocast(
         `float32_primitives=FLOAT32_PRIMITIVES | {"tanh"}`. A name in several
         lists takes the first of half, float32, promote.
       returns_state: a pytree prefix of `fn`'s result, `True` for a part
-        that is state (kept in the dtypes of the argument it matches, else
+        that is state (in the dtype of the argument it is built from, else
         as made: a cache `fn` makes), `False` for a result (the output
         dtype); None (the default) lets the state rule decide.
 
@@ -325,22 +353,28 @@ def autocast(
         fp8_scaling=policy.fp8_scaling,
     )
 
-    def run(g, args, kwargs):
-        return trace_and_eval(lambda a, k: g(*a, **k), (args, kwargs), rules)
-
     # Not `functools.wraps`: it would copy `fn.__dict__`, and with it the
     # `lower` of a `jax.pmap` or `jax.jit` function, which lowers the
     # original program.
     @functools.wraps(fn, updated=())
     def wrapped(*args, **kwargs):
+        flows = []
+
+        def run(g, args, kwargs):
+            out, flow = trace_and_eval(lambda a, k: g(*a, **k), (args, kwargs), rules, flow=True)
+            flows.append(flow)
+            return out
+
         for handler in _STATE_HANDLERS:
             outs = handler(run, fn, args, kwargs)
             if outs is not NotImplemented:
                 break
         else:
             outs = run(fn, args, kwargs)
-        # State returned updated keeps its dtypes; results take the output dtype.
-        given = [*args, *kwargs.values()]
-        return cast_results(outs, given, policy.cast_to_output, returns_state=returns_state)
+        # What the program returns from an argument keeps its dtype; results
+        # take the output dtype.
+        flow = flows[-1].called_with(args)
+        said = _framework_state(fn, kwargs, outs) if returns_state is None else returns_state
+        return cast_results(outs, flow, policy.cast_to_output, returns_state=said)
 
     return wrapped

@@ -36,6 +36,7 @@ from jmp_policy.core.fp8 import fp8_product
 from jmp_policy.core.matmul import accumulating_dot, accumulating_product, product_of
 from jmp_policy.core.matmul_dtype import asks_full_precision
 from jmp_policy.core.residuals import traced_for
+from jmp_policy.core.state import buffer_sources, flow_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,6 +351,12 @@ def _apply(eqn, invals, rules):
     if prim is ji.convert_element_type_p:
         x, new_dtype = invals[0], ji.new_dtype(eqn)
         return x if x.dtype == new_dtype else ji.bind(eqn, invals)
+    if prim in ji.WRITTEN_OPERAND and is_float(invals[0]):
+        # A write keeps its buffer's dtype; what is written takes it.
+        at = ji.WRITTEN_OPERAND[prim]
+        args = _as_original(eqn, invals)
+        args[0], args[at] = invals[0], cast(args[at], invals[0].dtype)
+        return ji.bind(eqn, args)
     floats = [i for i, x in enumerate(invals) if is_float(x)]
     if not floats or not (name in rules.half or name in rules.float32 or name in rules.promote):
         return ji.bind(eqn, _as_original(eqn, invals))  # Unknown: run as written.
@@ -376,10 +383,14 @@ def may_scale(rules: Rules) -> bool:
     return rules.scoped or rules.matmul_dtype in SCALED_MATMUL_DTYPES
 
 
-def trace_and_eval(fn, args, rules):
-    """Traces `fn(*args)` and runs it again under `rules`; array leaves are traced."""
+def trace_and_eval(fn: Callable, args: Any, rules: Rules | None, *, flow: bool = False) -> Any:
+    """Traces `fn(*args)` and runs it again under `rules`; array leaves are traced.
+
+    With `rules` None the program runs as traced. With `flow`, returns
+    `(result, Flow)`: which argument each result array is a buffer of.
+    """
     leaves, treedef = jax.tree.flatten(args)
-    arrays = (jax.Array, np.ndarray, np.generic)
+    arrays = ji.ARRAYS
     dynamic = [i for i, x in enumerate(leaves) if isinstance(x, arrays)]
 
     def flat_fn(*values):
@@ -404,19 +415,38 @@ def trace_and_eval(fn, args, rules):
     values = [leaves[i] for i in dynamic]
     # FP8 products traced on stand-ins (here, and for nested programs as they
     # are rewritten) save what the values' derivatives need.
-    with traced_for(values) if may_scale(rules) else contextlib.nullcontext():
+    scaled = rules is not None and may_scale(rules)
+    with traced_for(values) if scaled else contextlib.nullcontext():
         try:
             closed = jax.make_jaxpr(traced_fn)(*values)
         except TypeError as e:
             # A write into a buffer of another dtype (a bf16 cache given to a
-            # float32 program) is refused as written; it takes the buffer's dtype.
-            if not ji.is_write_dtype_mismatch(e):
+            # float32 program) is refused as written. Traced with its floating
+            # arguments in their widest dtype, the program type-checks; run
+            # on the values as given, each write takes its buffer's dtype.
+            if rules is None or not ji.is_write_dtype_mismatch(e):
                 raise
-            with ji.writes_take_the_buffer_dtype():
-                closed = jax.make_jaxpr(traced_fn)(*values)
-        outs = iter(_eval(closed.jaxpr, closed.consts, values, rules))
+            closed = jax.make_jaxpr(traced_fn)(*_widened(values))
+        if rules is None:
+            results = ji.eval_jaxpr(closed.jaxpr, closed.consts, values, _as_traced)
+        else:
+            results = _eval(closed.jaxpr, closed.consts, values, rules)
+    outs = iter(results)
     full = [next(outs) if x is _TRACED else x for x in out_leaves]
-    return jax.tree.unflatten(out_tree[0], full)
+    out = jax.tree.unflatten(out_tree[0], full)
+    if not flow:
+        return out
+    return out, flow_of(values, buffer_sources(closed.jaxpr), results)
+
+
+def _widened(values):
+    """Stand-ins for `values`, the floating ones in the widest floating dtype among them."""
+    wide = widest([x.dtype for x in values if is_float(x)])
+    return [jax.ShapeDtypeStruct(np.shape(x), wide) if is_float(x) else x for x in values]
+
+
+def _as_traced(eqn, invals):
+    return ji.bind(eqn, invals)
 
 
 _TRACED = object()  # The place of an array result in `trace_and_eval`.

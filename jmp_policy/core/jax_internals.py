@@ -5,9 +5,8 @@
 releases, and the equation attributes used here (`eqn.params` keys such as
 `"jaxpr"`, `"dimension_numbers"`, `"new_dtype"`, `eqn.ctx`,
 `Primitive.get_bind_params`) are not documented API; nor are `jnp.einsum`'s
-`_dot_general=`, the texts of four JAX errors, or the `bind` of the write
-primitives (which `autocast` wraps while it traces a write into a buffer of
-another dtype). Everything of that kind is in
+`_dot_general=`, the texts of four JAX errors, the trace a loop body is
+traced in (`DebugInfo.traced_for`). Everything of that kind is in
 this module, so that a JAX upgrade breaks here first and is fixed here once.
 Each internal has a probe in `jax_probes` (run by the test suite) that fails
 with `JaxChanged`, naming the installed JAX, when JAX changes it; a read that
@@ -17,7 +16,6 @@ against jax and jaxlib 0.10.2 and 0.12.0.1.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
 import inspect
@@ -199,38 +197,6 @@ def is_write_dtype_mismatch(error: Exception) -> bool:
     )
 
 
-@contextlib.contextmanager
-def writes_take_the_buffer_dtype() -> Iterator[None]:
-    """While tracing in it, a write of a floating value into a floating buffer
-    of another dtype (refused by `lax`) casts the value to the buffer's dtype
-    first, as `.at[].set` does: the traced program holds the cast. Not thread
-    safe: another thread tracing meanwhile has its writes cast too."""
-
-    def casting(bind: Callable, position: int) -> Callable:
-        def bind_cast(*args: Any, **params: Any) -> Any:
-            buffer, value = args[0], args[position]
-            if value.dtype != buffer.dtype and all(
-                jnp.issubdtype(x.dtype, jnp.floating) for x in (buffer, value)
-            ):
-                value = jax.lax.convert_element_type(value, buffer.dtype)
-                args = (*args[:position], value, *args[position + 1 :])
-            return bind(*args, **params)
-
-        return bind_cast
-
-    own = {prim: vars(prim).get("bind") for prim in WRITTEN_OPERAND}  # None: the class's
-    try:
-        for prim, position in WRITTEN_OPERAND.items():
-            prim.bind = casting(prim.bind, position)  # type: ignore[method-assign]
-        yield
-    finally:
-        for prim, bind in own.items():
-            if bind is None:
-                vars(prim).pop("bind", None)
-            else:
-                prim.bind = bind  # type: ignore[method-assign]
-
-
 def primitive_names() -> frozenset[str]:
     """The names of the primitives `jax.extend` exposes (for validating user lists)."""
     return frozenset(p.name for p in vars(primitives).values() if isinstance(p, Primitive))
@@ -303,6 +269,91 @@ def sub_jaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
                 yield v.jaxpr
             elif isinstance(v, Jaxpr):
                 yield v
+
+
+Literal = jex.core.Literal
+DropVar = jex.core.DropVar
+ARRAYS = (jax.Array, np.ndarray, np.generic)
+
+
+def inlined_body(eqn: JaxprEqn) -> Jaxpr | None:
+    """The program a call-like equation runs on its own inputs, one for one:
+    `jit`, `closed_call`, `remat`, `custom_jvp_call`, `custom_vjp_call` (its
+    primal) and `shard_map`; None for any other equation."""
+    if eqn.primitive in CALL_JAXPR_PARAM:
+        return call_program(eqn)[1].jaxpr
+    if eqn.primitive is remat_p or is_shard_map(eqn):
+        return param(eqn, "jaxpr")
+    if eqn.primitive is custom_jvp_call_p:
+        return custom_jvp_primal(eqn).jaxpr
+    if eqn.primitive is custom_vjp_call_p:
+        return custom_vjp_primal(eqn).jaxpr
+    return None
+
+
+class LoopParts(NamedTuple):
+    """A loop equation's body and the positions, among the equation's inputs,
+    of the body's constants, carry and scanned-over inputs; the body's
+    outputs are the new carry, then (a scan's) the per-step results."""
+
+    body: Jaxpr
+    consts: range
+    carry: range
+    xs: range
+
+
+def loop_parts(eqn: JaxprEqn) -> LoopParts | None:
+    """The `LoopParts` of a `scan` or `while` equation; None for any other."""
+    if eqn.primitive.name == "scan":
+        if "ft_in" in eqn.params:  # JAX 0.12: flat trees of (consts, carry, xs).
+            n, c = (len(list(part.vals)) for part in param(eqn, "ft_in").elts[:2])
+        else:
+            n, c = param(eqn, "num_consts"), param(eqn, "num_carry")
+        end = len(eqn.invars)
+        return LoopParts(param(eqn, "jaxpr").jaxpr, range(n), range(n, n + c), range(n + c, end))
+    if eqn.primitive.name == "while":
+        start = param(eqn, "cond_nconsts")
+        n = param(eqn, "body_nconsts")
+        end = len(eqn.invars)
+        body = param(eqn, "body_jaxpr").jaxpr
+        return LoopParts(body, range(start, start + n), range(start + n, end), range(end, end))
+    return None
+
+
+def branches(eqn: JaxprEqn) -> list[Jaxpr] | None:
+    """The branches of a `cond` equation (each takes its inputs after the index)."""
+    if eqn.primitive.name != "cond":
+        return None
+    return [b.jaxpr for b in param(eqn, "branches")]
+
+
+# What `DebugInfo.traced_for` says of a loop body's trace: where its carry is.
+_LOOP_BODIES = {"scan": ("scan", 0), "while_body": ("while_loop", 0), "fori_loop": ("fori_loop", 1)}
+
+
+def loop_body_carry(args: Sequence[Any]) -> tuple[str, Any] | None:
+    """`(loop kind, carry)` if JAX is tracing a function of `args` as a loop's body.
+
+    That is, the innermost trace is a `lax.scan`, `lax.while_loop` or
+    `lax.fori_loop` body's (its debug info says which) and `args` are
+    exactly that trace's inputs: the carry is the loop's, whose type the
+    body must keep. None otherwise, or where JAX no longer says it (then
+    the loop's own type check speaks).
+    """
+    leaves = jax.tree.leaves(args)
+    try:
+        trace = jex.core.find_top_trace(leaves)
+        frame = trace.frame
+        kind = _LOOP_BODIES.get(frame.debug_info.traced_for)
+        given = [getattr(x, "val", None) if getattr(x, "_trace", None) is trace else None
+                 for x in leaves]  # fmt: skip
+        invars = list(frame.invars)
+    except AttributeError:
+        return None
+    if kind is None or not leaves or given != invars:
+        return None
+    name, position = kind
+    return (name, args[position]) if position < len(args) else None
 
 
 _PLAIN = (bool, int, float, complex, str, type, np.dtype, enum.Enum, type(None))
@@ -392,3 +443,8 @@ def eval_jaxpr(
             if not isinstance(v, jex.core.DropVar):
                 env[v] = out
     return [_read(env, v) for v in jaxpr.outvars]
+
+
+def origin(eqn: JaxprEqn) -> str:
+    """Where an equation comes from, as JAX prints it: "file:line:column (function)"."""
+    return str(jex.source_info_util.summarize(eqn.source_info))

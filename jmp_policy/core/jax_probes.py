@@ -7,6 +7,7 @@ is not what jmp_policy was checked against (`CHECKED_AGAINST`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -216,7 +217,7 @@ def _check_custom_vjp() -> None:
     _expect(ji.custom_vjp_file(eqn) == __file__, "the file of a custom_vjp's function")
 
 
-@_probe("writes of another float dtype: their errors, and tracing them")
+@_probe("writes of another float dtype: their errors")
 def _check_writes() -> None:
     buffer, update = np.zeros((2, 2), jnp.bfloat16), np.ones((1, 2), np.float32)
     index = np.zeros((1, 1), np.int32)
@@ -228,28 +229,49 @@ def _check_writes() -> None:
     def scatter(b: Any, u: Any) -> Any:
         return lax.scatter(b, index, u, scatter_dims)
 
-    def trace(fn: Callable) -> Callable[[], Any]:
-        return lambda: jax.make_jaxpr(fn)(buffer, update)
-
     for fn in (write, scatter):
         _expect_error(
-            trace(fn),
+            functools.partial(jax.make_jaxpr(fn), buffer, update),
             ji.is_write_dtype_mismatch,
             f"{fn.__name__}: a float32 value into a bfloat16 buffer",
         )
-        with ji.writes_take_the_buffer_dtype():
-            eqns = _eqns(fn, buffer, update)
-        convert, written = eqns[-2:]
-        position = ji.WRITTEN_OPERAND[written.primitive]
-        _expect(
-            convert.primitive is ji.convert_element_type_p
-            and written.invars[position] is convert.outvars[0]
-            and getattr(written.outvars[0].aval, "dtype", None) == jnp.bfloat16,
-            f"a traced {written.primitive.name} of the value cast to the buffer's dtype",
-        )
-        # Left, the write is refused again.
-        _expect_error(
-            trace(fn),
-            ji.is_write_dtype_mismatch,
-            f"{fn.__name__} after writes_take_the_buffer_dtype",
-        )
+        written = _eqns(fn, buffer.astype(np.float32), update)[-1]
+        _expect(written.primitive in ji.WRITTEN_OPERAND, f"{fn.__name__}'s primitive")
+
+
+@_probe("loops, branches and calls: their programs, and a loop body's trace")
+def _check_nested_programs() -> None:
+    seen = []
+
+    def body(c: Any, x: Any) -> Any:
+        seen.append((ji.loop_body_carry((c, x)), ji.loop_body_carry((x, c))))
+        return c * x, x
+
+    eqn = _only(_eqns(lambda c, xs: lax.scan(body, c, xs), _X[0], _X), "scan")
+    as_body, swapped = seen[0]
+    _expect(
+        as_body is not None and as_body[0] == "scan" and swapped is None,
+        "a scan body's trace, said by its debug info",
+    )
+    parts = ji.loop_parts(eqn)
+    _expect(
+        parts is not None and (len(parts.consts), len(parts.carry), len(parts.xs)) == (0, 1, 1),
+        "a scan's constants, carry and scanned inputs",
+    )
+    loop = lambda c: lax.while_loop(lambda c: c[0, 0] < 1, lambda c: c + 1, c)  # noqa: E731
+    eqn = _only(_eqns(loop, _X), "while")
+    parts = ji.loop_parts(eqn)
+    _expect(parts is not None and len(parts.carry) == 1, "a while loop's carry")
+    eqn = _only(_eqns(lambda p, x: lax.cond(p, lambda: x, lambda: -x), True, _X), "cond")
+    _expect(len(ji.branches(eqn) or []) == 2, "a cond's branches")
+    jit_p = next(iter(ji.CALL_JAXPR_PARAM))
+    eqn = _only(_eqns(jax.jit(lambda x: x * 2), _X), jit_p)
+    _expect(ji.inlined_body(eqn) is not None, "a jit's program")
+
+
+@_probe("where an equation comes from")
+def _check_origin() -> None:
+    # Compiled here: JAX names no frame of jmp_policy's own files.
+    user_code = eval("lambda x: jnp.sin(x)", {"jnp": jnp})
+    (eqn,) = _eqns(user_code, _X)
+    _expect(ji.origin(eqn) == "<string>:1:10 (<lambda>)", "an equation's file, line and function")

@@ -1,174 +1,180 @@
 """State keeps its dtype: the one rule by which every front end splits a result.
 
 A policy's output dtype is for a function's results. What the function takes
-in and hands back updated (a decode cache, an RNN carry, BatchNorm
-statistics, an Equinox `State`, a model returned with its parameters) comes
-back in the dtypes it came in: the next call, or `lax.scan`'s type check,
-expects exactly those. Linen's `with_policy`, `jmp_policy.nnx` and `autocast`
-all decide it here, so they give the same dtypes on the same model.
+in and hands back (a decode cache written or grown, a loop's carry, a value
+passed through) comes back in the dtype it came in: the next call, or
+`lax.scan`'s type check, expects exactly that. The rule reads the traced
+program, never the result's structure, shapes or names:
 
-The rule, generic (no framework is imported), by what the result holds and
-never by where it sits in it:
+* A returned array built from an argument by buffer operations keeps that
+  argument's dtype: written into (`dynamic_update_slice`, scatters,
+  `.at[]`), grown (`concatenate`, `pad`), selected, sliced, reshaped, cast
+  or passed through, the carry of a loop the argument started, through
+  nested calls, branches and checkpoints (`buffer_sources`).
+* A function traced as the body of `lax.scan`, `lax.while_loop` or
+  `lax.fori_loop` (JAX says so while tracing it) returns its carry in the
+  carry's dtypes, as the loop requires.
+* Every other floating result takes the output dtype; anything else passes
+  through unchanged.
 
-* A container in the result (a tuple, dict, NamedTuple, dataclass,
-  `flax.struct.dataclass`, Equinox module, Hugging Face `ModelOutput`, ...)
-  is state if it has the pytree structure and array shapes of an argument or
-  of a container inside one; a dict is also state if it holds all the
-  entries of an argument's dict plus new ones (a cache with a new `"pos"`).
-  Its leaves take the dtypes of that argument's (new entries as made).
-* The result itself, and the plain tuples, lists and dicts in it, are seen
-  through: each part decides for itself, so `Output(logits, cache)` splits
-  as `(logits, cache)` and `(cache, logits)` do.
-* Any other container that matches no argument (a NamedTuple, a dataclass:
-  a type of the model's own, such as the cache a prefill makes) is state the
-  function made: it comes back as made, as in the model's own half config.
-* A bare array is a result, wherever it is: `block(x) -> x + f(x)`, and
-  logits shaped like the input ids. Results take the output dtype;
-  non-array leaves pass through unchanged.
-
-A gradient with its parameters' structure therefore keeps the parameters'
-dtypes, as `jax.grad` gives it. Where the rule cannot know (a bare array
-carry or cache, a dict cache the function makes), `returns_state` says it: a
-pytree prefix of the result with `True` for state (its argument's dtypes, or
-as the function made it) and `False` for a result.
+Arithmetic on an argument (`x + f(x)`, a running average) makes a result.
+Where the program cannot say it (statistics returned in the result rather
+than in a framework's state), `returns_state` does: a pytree prefix of the
+result with `True` for state (as the program made it, or its argument's
+dtype where it flows from one) and `False` for a result.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
+from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.dtypes import cast, is_float
 
 # A pytree prefix of a function's result: True (state), False (a result),
 # None (the rule decides), or a container of those.
 ReturnsState = Any
 
-_ARRAYS = (jax.Array, np.ndarray, np.generic)
-# Groups of parts, seen through: exactly these types (a NamedTuple or a dict
-# subclass is a type of the model's own).
-_PLAIN = (tuple, list, dict)
+# Operations whose result is their first operand's data, moved or rewritten
+# in part: a buffer written, grown, selected or cast is still that buffer.
+_MOVES_FIRST = frozenset(
+    {
+        "dynamic_update_slice", "scatter", "scatter-add", "scatter_add", "scatter-mul",
+        "scatter_mul", "scatter-min", "scatter_min", "scatter-max", "scatter_max",
+        "scatter-sub", "scatter_sub", "pad", "convert_element_type", "copy", "copy_p",
+        "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "rev",
+        "slice", "dynamic_slice", "gather", "sharding_constraint", "reduce_precision",
+        "split",
+    }
+)  # fmt: skip
+# Operations whose result is made of several operands' data.
+_MOVES_ALL = frozenset({"concatenate"})
+_SELECTS = frozenset({"select_n"})  # Operand 0 is the predicate.
+# Operations passing each operand through as the result at its position.
+_PASSES_EACH = frozenset({"device_put", "optimization_barrier"})
+
+Sources = tuple[int, ...]  # Input positions, in order.
 
 
-def _is_array(x: Any) -> bool:
-    return isinstance(x, _ARRAYS)
+def _union(*groups: Sources) -> Sources:
+    return tuple(sorted(set().union(*groups)))
 
 
-def _one_level(tree: Any) -> tuple[list[Any], Any] | None:
-    """`(children, treedef)` of a pytree node, or None for a leaf."""
-    children, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)
-    if jax.tree_util.treedef_is_leaf(treedef):
-        return None
-    return children, treedef
+def buffer_sources(jaxpr: ji.Jaxpr, given: Sequence[Sources] | None = None) -> list[Sources]:
+    """For each output of `jaxpr`, the inputs it is built from by buffer operations.
 
+    `given` labels the inputs (default: each its own position). An output
+    computed by arithmetic has none; a loop's carry has its initial value's
+    whatever the body does, since JAX keeps the carry's type.
+    """
+    env: dict[Any, Sources] = {}
+    labels = given if given is not None else [(i,) for i in range(len(jaxpr.invars))]
+    env.update(zip(jaxpr.invars, labels))
 
-class _Tree:
-    """A container's leaves by key path, with their shapes and dtypes."""
+    def read(v: Any) -> Sources:
+        return () if isinstance(v, ji.Literal) else env.get(v, ())
 
-    def __init__(self, tree: Any) -> None:
-        self.tree = tree
-        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        self.treedef: Any = treedef
-        self.leaves = {jax.tree_util.keystr(path): leaf for path, leaf in flat}
-        self.shapes = {k: np.shape(x) if _is_array(x) else None for k, x in self.leaves.items()}
-
-    def dtypes(self, keys: Any) -> list[Any]:
-        return [getattr(self.leaves[k], "dtype", None) for k in keys]
-
-    def same_structure(self, other: _Tree) -> bool:
-        try:
-            return bool(self.treedef == other.treedef) and self.shapes == other.shapes
-        except Exception:  # A node's aux data that cannot be compared.
-            return False
-
-    def holds(self, other: _Tree) -> bool:
-        """Whether this dict holds every entry of the dict `other`, with its shapes."""
-        return (
-            isinstance(self.tree, Mapping)
-            and type(self.tree) is type(other.tree)
-            and all(k in self.shapes and self.shapes[k] == s for k, s in other.shapes.items())
-        )
-
-
-def _containers(args: Sequence[Any]) -> list[_Tree]:
-    """Every container holding an array, in `args` and inside them, outermost first."""
-    found = []
-    todo = list(reversed(args))
-    while todo:
-        tree = todo.pop()
-        level = _one_level(tree)
-        if level is None:
-            continue
-        candidate = _Tree(tree)
-        if any(_is_array(x) for x in candidate.leaves.values()):
-            found.append(candidate)
-            todo.extend(reversed(level[0]))
-    return found
-
-
-def _argument_of(part: _Tree, candidates: list[_Tree]) -> _Tree | None:
-    """The argument `part` is the updated version of: the same structure and
-    shapes first, else a dict whose entries `part` holds; the same dtypes
-    break ties, then the first argument."""
-    best, best_score = None, (0, False)
-    for arg in candidates:
-        if part.same_structure(arg):
-            kind = 2
-        elif arg.shapes and part.holds(arg):
-            kind = 1
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        n = len(eqn.outvars)
+        if name in _MOVES_FIRST:
+            outs = [ins[0]] * n
+        elif name in _MOVES_ALL:
+            outs = [_union(*ins)] * n
+        elif name in _SELECTS:
+            outs = [_union(*ins[1:])] * n
+        elif name in _PASSES_EACH:
+            outs = ins[:n]
         else:
+            outs = _nested_sources(eqn, ins) or [()] * n
+        env.update((v, s) for v, s in zip(eqn.outvars, outs) if not isinstance(v, ji.DropVar))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _nested_sources(eqn: ji.JaxprEqn, ins: list[Sources]) -> list[Sources] | None:
+    """The sources through a call, checkpoint, custom rule, `shard_map`, loop or branch."""
+    body = ji.inlined_body(eqn)
+    if body is not None:
+        return buffer_sources(body, ins)
+    loop = ji.loop_parts(eqn)
+    if loop is not None:
+        # A carry starts as its initial value and keeps its type: its sources
+        # grow to a fixed point of what the body writes into it.
+        body, consts, carry, xs = loop
+        carries = [ins[i] for i in carry]
+        while True:
+            outs = buffer_sources(body, [ins[i] for i in consts] + carries + [ins[i] for i in xs])
+            grown = [_union(c, o) for c, o in zip(carries, outs)]
+            if grown == carries:
+                return carries + outs[len(carries) :]
+            carries = grown
+    branches = ji.branches(eqn)
+    if branches is not None:
+        per_branch = [buffer_sources(b, ins[1:]) for b in branches]
+        return [_union(*outs) for outs in zip(*per_branch)]
+    return None
+
+
+class Flow:
+    """What one traced call returned from its arguments: each result array's source.
+
+    Built by the front end that traced the call (`trace_and_eval(...,
+    flow=True)`); `loop_body` is `(kind, carry)` where JAX traced the call as
+    the body of a loop ("scan", "while_loop" or "fori_loop"), else None.
+    """
+
+    def __init__(self, sources: dict[int, Any] | None = None) -> None:
+        self._sources = sources or {}
+        self.loop_body: tuple[str, Any] | None = None
+
+    def source(self, leaf: Any) -> Any:
+        """The argument array `leaf` was built from by buffer operations, or None."""
+        return self._sources.get(id(leaf))
+
+    def called_with(self, args: Sequence[Any]) -> Flow:
+        """This flow, told the call's positional `args` (a loop body's carry among them)."""
+        self.loop_body = ji.loop_body_carry(args)
+        return self
+
+
+def flow_of(values: Sequence[Any], sources: list[Sources], outs: Sequence[Any]) -> Flow:
+    """The `Flow` of a program run on `values` that returned `outs`, with `buffer_sources`."""
+    found = {}
+    for out, positions in zip(outs, sources):
+        if not positions or not is_float(out):
             continue
-        keys = list(arg.leaves)
-        score = (kind, part.dtypes(keys) == arg.dtypes(keys))
-        if score > best_score:
-            best, best_score = arg, score
-    return best
-
-
-def _like(part: _Tree, arg: _Tree) -> Any:
-    """`part`'s floating leaves in the dtypes of `arg`'s at the same key paths."""
-
-    def leaf(path: Any, x: Any) -> Any:
-        given = arg.leaves.get(jax.tree_util.keystr(path))
-        return cast(x, given.dtype) if given is not None and is_float(x) and is_float(given) else x
-
-    return jax.tree_util.tree_map_with_path(leaf, part.tree)
-
-
-def _array_like(x: Any, args: Sequence[Any]) -> Any:
-    """A bare array said to be state: in the dtype of an argument array of its shape."""
-    same = [a for a in jax.tree.leaves(args) if is_float(a) and np.shape(a) == np.shape(x)]
-    if not is_float(x) or not same:
-        return x
-    if any(a.dtype == x.dtype for a in same):
-        return x
-    return cast(x, same[0].dtype)
+        candidates = [values[i] for i in positions if is_float(values[i])]
+        if candidates:
+            # Of several (a buffer grown from two), the one in the result's dtype.
+            same = [v for v in candidates if v.dtype == out.dtype]
+            found[id(out)] = (same or candidates)[0]
+    return Flow(found)
 
 
 def cast_results(
     out: Any,
-    args: Sequence[Any],
+    flow: Flow,
     to_output: Callable[[Any], Any],
     *,
     returns_state: ReturnsState = None,
 ) -> Any:
-    """`out` with its state in the dtypes of the arguments and its results through `to_output`.
+    """`out` with its state in its arguments' dtypes and its results through `to_output`.
 
     Args:
       out: a function's result.
-      args: the function's arguments (positional ones, then keyword values).
+      flow: what the traced program says of it (see `Flow`).
       to_output: the cast for results, e.g. `policy.cast_to_output`.
-      returns_state: None to let the rule decide (see the module docstring),
-        or a pytree prefix of `out`: `True` for a part that is state (its
-        floating leaves in the dtypes of the argument it matches, else as
+      returns_state: None to let the program decide (see the module
+        docstring), or a pytree prefix of `out`: `True` for a part that is
+        state (each floating leaf in its source argument's dtype, else as
         made), `False` for a result, `None` for the rule.
 
     Returns:
-      `out`, its state cast to the dtypes of the argument it matches, every
-      other part cast by `to_output`.
+      `out`, its state in the dtypes it came in, every other part cast by `to_output`.
 
     Raises:
       ValueError: if `returns_state` is not a prefix of the result's structure.
@@ -176,41 +182,36 @@ def cast_results(
 
     >>> import jax.numpy as jnp
     >>> from jmp_policy import get_policy
-    >>> carry = (jnp.zeros(3), jnp.zeros(3))
     >>> to_output = get_policy("bf16").cast_to_output
-    >>> y, new_carry = cast_results((jnp.ones(3), carry), [carry, jnp.ones(3)], to_output)
-    >>> y.dtype, new_carry[0].dtype
-    (dtype(bfloat16), dtype('float32'))
-    >>> h = jnp.zeros(3)  # A bare array carry: said to be state.
-    >>> y, new_h = cast_results((h, h), [h], to_output, returns_state=(False, True))
-    >>> y.dtype, new_h.dtype
-    (dtype(bfloat16), dtype('float32'))
+    >>> cache, y = jnp.zeros(3), jnp.ones(3)
+    >>> flow = Flow({id(cache): cache})  # The cache came back as it went in.
+    >>> [x.dtype for x in cast_results((y, cache), flow, to_output)]
+    [dtype(bfloat16), dtype('float32')]
+    >>> [x.dtype for x in cast_results((y, y), flow, to_output, returns_state=(False, True))]
+    [dtype(bfloat16), dtype('float32')]
     """
-    candidates = _containers(args)
 
-    def auto(tree: Any, top: bool = True) -> Any:
-        level = _one_level(tree)
-        if level is None:
-            return to_output(tree)
-        if candidates:
-            part = _Tree(tree)
-            arg = _argument_of(part, candidates)
-            if arg is not None:
-                return _like(part, arg)
-        if not top and type(tree) not in _PLAIN:
-            return tree  # A container of the function's own making: as made.
-        children, treedef = level
-        return jax.tree_util.tree_unflatten(treedef, [auto(c, False) for c in children])
+    def keep_source(leaf: Any, otherwise: Callable[[Any], Any]) -> Any:
+        if not isinstance(leaf, ji.ARRAYS):
+            return leaf
+        source = flow.source(leaf)
+        if source is not None and is_float(leaf):
+            return cast(leaf, source.dtype)
+        return otherwise(leaf)
+
+    def by_flow(tree: Any) -> Any:
+        return jax.tree.map(lambda x: keep_source(x, to_output), tree)
 
     def as_state(tree: Any) -> Any:
-        if _one_level(tree) is None:
-            return _array_like(tree, args)
-        part = _Tree(tree)
-        arg = _argument_of(part, candidates)
-        return tree if arg is None else _like(part, arg)
+        return jax.tree.map(lambda x: keep_source(x, lambda y: y), tree)
 
+    def as_result(tree: Any) -> Any:
+        return jax.tree.map(lambda x: to_output(x) if isinstance(x, ji.ARRAYS) else x, tree)
+
+    if flow.loop_body is not None:
+        return keep_carry(by_flow(out), *flow.loop_body, made=out)
     if returns_state is None:
-        return auto(out)
+        return by_flow(out)
     spec, treedef = jax.tree_util.tree_flatten(returns_state, is_leaf=lambda x: x is None)
     spec_def: Any = treedef
     for choice in spec:
@@ -226,5 +227,26 @@ def cast_results(
             f"returns_state={returns_state!r} is not a prefix of the result's structure "
             f"{jax.tree.structure(out)}: give True/False for each part of the result."
         ) from e
-    choose: dict[Any, Callable[[Any], Any]] = {None: auto, True: as_state, False: to_output}
+    choose: dict[Any, Callable[[Any], Any]] = {None: by_flow, True: as_state, False: as_result}
     return spec_def.unflatten([choose[c](p) for c, p in zip(spec, parts)])
+
+
+def keep_carry(out: Any, kind: str, carry: Any, *, made: Any = None) -> Any:
+    """A loop body's result (`kind` "scan": `(carry, ys)`; else the carry)
+    with its carry in the dtypes of `carry`, the one the loop gave it, cast
+    from `made` (the body's result before any other cast; default `out`)."""
+    made = out if made is None else made
+    scan = kind == "scan"
+    pair = isinstance(out, (tuple, list)) and len(out) == 2
+    if scan and not pair:
+        return out  # Not `(carry, ys)`: JAX's own check says what is wrong.
+    new = made[0] if scan else made
+    treedef: Any = jax.tree.structure(new)
+    try:
+        given = treedef.flatten_up_to(carry)
+    except (ValueError, TypeError):
+        return out
+    leaves = jax.tree.leaves(new)
+    kept = [cast(x, c.dtype) if is_float(x) and is_float(c) else x for x, c in zip(leaves, given)]
+    kept_carry = jax.tree.unflatten(treedef, kept)
+    return type(out)((kept_carry, out[1])) if scan else kept_carry

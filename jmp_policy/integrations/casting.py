@@ -10,9 +10,9 @@ on every layer, by hand) does in Flax:
   timesteps, coordinates) keep the dtype they were given: no module boundary
   casts, except that of a module a rule names (`casts_inputs`), which is
   asked for by the user.
-* What goes in and comes back (a cache, a state, a carry) keeps its dtype:
-  the output dtype applies to a call's results only, by the state rule of
-  `jmp_policy.core.state`, which `autocast` uses too.
+* What goes in and comes back (a cache, a carry, a value passed through)
+  keeps its dtype: the output dtype applies to a call's results only, by the
+  state rule of `jmp_policy.core.state`, which `autocast` uses too.
 * Under a matmul dtype every product takes it: Flax's dense layers through
   their `dot_general` hook (`matmul_overrides`, which also replaces a
   `dot_general` wired in by hand), every other product (`jnp.einsum`, `@`,

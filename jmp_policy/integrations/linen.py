@@ -35,12 +35,12 @@ import numpy as np
 from flax import nnx
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.autocast import matmuls_in
+from jmp_policy.core.autocast import matmul_rules
 from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, is_float
-from jmp_policy.core.interpreter import matmul_scope
+from jmp_policy.core.interpreter import matmul_scope, trace_and_eval
 from jmp_policy.core.policy import Policy, get_policy
 from jmp_policy.core.residuals import traced_for
-from jmp_policy.core.state import ReturnsState, cast_results
+from jmp_policy.core.state import Flow, ReturnsState, cast_results, keep_carry
 from jmp_policy.integrations import casting
 from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_names
 
@@ -158,17 +158,7 @@ def _restore_carry(loop: str, given_args: tuple, out: Any) -> Any:
     """
     if not given_args:
         return out
-    if loop == "while_loop":
-        returns_state: Any = True
-    elif isinstance(out, tuple) and len(out) == 2:
-        returns_state = (True, False)
-    else:
-        return out
-    return cast_results(out, given_args[:1], _unchanged, returns_state=returns_state)
-
-
-def _unchanged(tree: Any) -> Any:
-    return tree
+    return keep_carry(out, "while_loop" if loop == "while_loop" else "scan", given_args[0])
 
 
 def _keeper(fn: Callable, names: frozenset[str]) -> Callable[[int | str], bool]:
@@ -376,6 +366,18 @@ def _split_first(entry: str, args: tuple, kwargs: dict) -> tuple[Any, tuple, dic
     return kwargs.pop(name), (), kwargs
 
 
+def state_in_result(fn: Callable, kwargs: dict) -> Any:
+    """Which parts of a linen entry point's result are state (`returns_state`):
+    `init`'s variables and the collections `apply` returns; None for a result
+    holding none, or for any other function."""
+    entry = _linen_entry(fn)
+    if entry == "init":
+        return True
+    if entry == "init_with_output" or (entry == "apply" and _returns_collections(kwargs)):
+        return (None, True)
+    return None
+
+
 def _returns_collections(kwargs: dict) -> bool:
     mutable = kwargs.get("mutable", False)
     return bool(mutable) or bool(kwargs.get("capture_intermediates", False))
@@ -437,11 +439,11 @@ def with_policy(
     float32 carry), also where the caller set strict promotion.
 
     The result is split into results and state by the rule `jmp_policy.nnx`
-    and `autocast` use too (`jmp_policy.core.state`): in `(logits, cache)`,
-    `Output(logits, cache)` or `{"logits": ..., "cache": ...}` the cache (a
-    container with the structure and shapes of an argument) comes back in the
-    dtypes it went in; bare arrays are results, in the output dtype;
-    `returns_state` says it where the rule cannot know. A decode cache made by the plain
+    and `autocast` use too (`jmp_policy.core.state`), read from the traced
+    call: a cache written or grown, a carry or a value passed through comes
+    back in the dtype it went in, wherever it sits in the result; every
+    other floating result takes the output dtype; `returns_state` says it
+    where the program cannot. A decode cache made by the plain
     `model.init` (float32) does not fit a half model: the dtype error it
     causes is re-raised as a `TypeError` naming the collection and the fix.
 
@@ -511,8 +513,8 @@ def with_policy(
         plain function) whose floating arrays are passed as given, never cast
         (for a model, only a rule naming it casts its inputs).
       returns_state: a pytree prefix of the result, `True` for a part that
-        is state (kept in the dtypes of the argument it matches, else as
-        made: a bare array cache, a cache the model makes), `False` for a
+        is state (in the dtype of the argument it is built from, else as
+        made: a cache the model makes), `False` for a
         result (the output dtype); None (the default) lets the rule decide.
 
     Returns:
@@ -556,8 +558,8 @@ def with_policy(
     target, bound_args, bound_kwargs = _unwrap_partial(fn)
     entry = _linen_entry(target)
 
-    def to_output(out: Any, given: list) -> Any:
-        return cast_results(out, given, policy.cast_to_output, returns_state=returns_state)
+    def to_output(out: Any, flow: Flow) -> Any:
+        return cast_results(out, flow, policy.cast_to_output, returns_state=returns_state)
 
     if entry is None:
         return _plain_function(fn, policy, interceptor, keep_inputs, rewrite, scaled, to_output)
@@ -586,16 +588,14 @@ def with_policy(
         first, args, kwargs = _split_first(entry, args, kwargs)
         # `init`'s products are never seen: only its parameters are kept.
         call = _Call(keep_inputs=keep_inputs, rewrite=rewrite and entry != "init")
-        call_fn = (
-            matmuls_in(run, policy.matmul_dtype, policy.fp8_scaling, scoped=True)
-            if call.rewrite
-            else run
-        )
+        rules = matmul_rules(policy.matmul_dtype, policy.fp8_scaling, scoped=True)
         if entry == "apply":
             first = read_as_made(first, args, kwargs)
         with _calling(policy, call, interceptor, (first, args, kwargs) if scaled else ()):
             try:
-                result = call_fn(first, args, kwargs)
+                result, flow = trace_and_eval(
+                    run, (first, args, kwargs), rules if call.rewrite else None, flow=True
+                )
             except (TypeError, ValueError) as e:
                 if entry == "apply":
                     _explain_state_dtypes(e, first, policy)
@@ -603,7 +603,6 @@ def with_policy(
         if "method" not in kwargs:
             # A whole-model call met every module: a pattern that matched none is a typo.
             rule_set.check_all_matched(call.matched, call.paths, getattr(target, "__self__", None))
-        given = [*args, *kwargs.values()]
         if entry != "apply":
             # `model.init`'s own draws (a parameter drawn in the model's
             # `dtype` would otherwise be drawn in half), cast after.
@@ -617,11 +616,11 @@ def with_policy(
             if isinstance(made, Mapping) and "params" in made:
                 _MADE.put(model, made_key, args, kwargs, _dtypes_by_path(made["params"]))
             variables = _init_variables(entry, result, plain, call.owners, policy)
-            return variables if entry == "init" else (to_output(result[0], given), variables)
+            return variables if entry == "init" else (to_output(result[0], flow), variables)
         if _returns_collections(kwargs):
             out, collections = result
-            return to_output(out, given), collections
-        return to_output(result, given)
+            return to_output(out, flow), collections
+        return to_output(result, flow)
 
     return wrapped
 
@@ -786,28 +785,28 @@ def _plain_function(
     keep_inputs: frozenset[str],
     rewrite: bool,
     scaled: bool,
-    to_output: Callable[[Any, list], Any],
+    to_output: Callable[[Any, Flow], Any],
 ) -> Callable:
     """`with_policy` of a function that is not a linen entry point (a `lambda` around apply)."""
     keep = _keeper(fn, keep_inputs)
-    call_fn = (
-        matmuls_in(fn, policy.matmul_dtype, policy.fp8_scaling, scoped=True) if rewrite else fn
-    )
+    rules = matmul_rules(policy.matmul_dtype, policy.fp8_scaling, scoped=True) if rewrite else None
+
+    def call_fn(args: tuple, kwargs: dict) -> Any:
+        # The function's floating arguments are its inputs, except Flax
+        # variables (a mapping with "params"): modules cast their parameters
+        # themselves, and `batch_stats` stay float32. Cast inside the traced
+        # program, what comes back from an argument is seen to.
+        keeps = lambda k: keep(k) or _is_variables((args, kwargs), k)  # noqa: E731
+        args, kwargs = casting.cast_inputs(policy, args, kwargs, keeps)
+        return fn(*args, **kwargs)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         _refuse_nnx_modules(args, kwargs)
-        # The function's floating arguments are its inputs, except Flax
-        # variables (a mapping with "params"): modules cast their parameters
-        # themselves, and `batch_stats` stay float32.
-        given = [*args, *kwargs.values()]  # State comes back in the dtypes it came in.
-        args, kwargs = casting.cast_inputs(
-            policy, args, kwargs, lambda k: keep(k) or _is_variables((args, kwargs), k)
-        )
         call = _Call(frozenset(), rewrite=rewrite, top=False)
         with _calling(policy, call, interceptor, (args, kwargs) if scaled else ()):
-            out = call_fn(*args, **kwargs)
-        return to_output(out, given)
+            out, flow = trace_and_eval(call_fn, (args, kwargs), rules, flow=True)
+        return to_output(out, flow)
 
     return wrapped
 

@@ -31,7 +31,8 @@ import numpy as np
 from flax import nnx
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.autocast import matmuls_in
+from jmp_policy.core.autocast import matmul_rules
+from jmp_policy.core.interpreter import trace_and_eval
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
 from jmp_policy.core.policy import Policy, get_policy
@@ -277,10 +278,10 @@ class PolicyModule(nnx.Module):
     `PolicyModule(module, policy, rules=...)` holds `with_policy(module,
     policy, rules=rules)` as `.module` (a copy: `module` is left unchanged).
     Calling it calls the module and casts the floating results to the output
-    dtype; state it returns keeps its dtype (`(logits, cache)`: the cache
-    comes back in the dtypes it went in), by the rule of
-    `jmp_policy.core.state` that linen's `with_policy` and `autocast` use
-    too; `returns_state` says it where the rule cannot know. The
+    dtype; state it returns keeps its dtype (a cache written or grown comes
+    back in the dtype it went in), by the rule of `jmp_policy.core.state`
+    that linen's `with_policy` and `autocast` use too, read from the traced
+    call; `returns_state` says it where the program cannot. The
     arguments are passed as given, as to the model's own half-precision
     config: NNX layers cast what they compute with, so plain `jnp` maths on
     the inputs (a diffusion model's timestep embedding) keeps their
@@ -306,7 +307,7 @@ class PolicyModule(nnx.Module):
       keep_inputs: names of arguments of `module.__call__` never cast (where
         a rule names the module, the only case its inputs are cast).
       returns_state: a pytree prefix of the module's result, `True` for a
-        part that is state (kept in the dtypes of the argument it matches,
+        part that is state (in the dtype of the argument it is built from,
         else as made), `False` for a result (the output dtype); None (the
         default) lets the state rule decide.
 
@@ -376,22 +377,18 @@ class PolicyModule(nnx.Module):
         return key in self.keep_inputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        given = [*args, *kwargs.values()]  # State comes back in the dtypes it came in.
-        if self.input_policy is not None:
-            args = tuple(
-                a if self._keep(i) else self.input_policy.cast_to_compute(a)
-                for i, a in enumerate(args)
-            )
-            kwargs = {
-                k: v if self._keep(k) else self.input_policy.cast_to_compute(v)
-                for k, v in kwargs.items()
-            }
+        rules = None if self.rewrite_matmul is None else matmul_rules(*self.rewrite_matmul)
+        flows = []
+
+        def run(g: Callable, a: tuple, k: dict) -> Any:
+            out, flow = trace_and_eval(lambda a, k: g(*a, **k), (a, k), rules, flow=True)
+            flows.append(flow)
+            return out
+
         try:
-            if self.rewrite_matmul is None:
-                out = self.module(*args, **kwargs)
-            else:
-                rewritten = functools.partial(_with_matmuls, matmul=self.rewrite_matmul)
-                out = autocast_with_state(rewritten, self.module, args, kwargs)
+            # Inputs cast inside the traced program: what comes back from one is seen to.
+            call = functools.partial(_call_with_inputs_cast, self.input_policy, self._keep)
+            out = autocast_with_state(run, call, (self.module, *args), kwargs)
         except TypeError as e:
             if not (jax_internals.is_loop_carry_type_change(e) and self._switched):
                 raise
@@ -402,13 +399,18 @@ class PolicyModule(nnx.Module):
                 "cast the carry back in the loop body (e.g. `return block(x).astype(x.dtype)`), "
                 "or drop the rule."
             ) from e
-        return cast_results(
-            out, given, self.policy.cast_to_output, returns_state=self.returns_state
-        )
+        flow = flows[-1].called_with(args)
+        return cast_results(out, flow, self.policy.cast_to_output, returns_state=self.returns_state)
 
 
-def _with_matmuls(fn: Callable, args: tuple, kwargs: dict, *, matmul: tuple[Any, str]) -> Any:
-    return matmuls_in(fn, *matmul)(*args, **kwargs)
+def _call_with_inputs_cast(
+    policy: Policy | None, keep: Callable, module: nnx.Module, *args: Any, **kwargs: Any
+) -> Any:
+    """`module(*args, **kwargs)`, the arguments not kept cast to `policy`'s compute dtype."""
+    if policy is not None:
+        args = tuple(a if keep(i) else policy.cast_to_compute(a) for i, a in enumerate(args))
+        kwargs = {k: v if keep(k) else policy.cast_to_compute(v) for k, v in kwargs.items()}
+    return module(*args, **kwargs)
 
 
 def _positional_names(method: Callable, names: frozenset[str]) -> tuple[str, ...]:
