@@ -13,18 +13,14 @@ Section 3.2 and Figure 3.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import print_saved_residuals
 
 from jmp_policy.core import jax_internals as ji
 
@@ -388,44 +384,32 @@ def diagnose(grad_fn: Callable[..., Any] | Any, *args: Any, **kwargs: Any) -> Gr
     )
 
 
-_RESIDUAL_LINE = re.compile(r"^(\w+)\[([\d,]*)\] (.*)$")
-
-
 def saved_residuals(fn: Callable, *args: Any) -> list[tuple[jax.ShapeDtypeStruct, str]]:
     """The values JAX saves in the forward pass of `fn(*args)` for its backward pass.
 
-    Each is `(shape and dtype, where it comes from)`, as printed by the public
-    `jax.ad_checkpoint.print_saved_residuals` (read from its output, since
-    the structured form is not public API).
+    Each is `(shape and dtype, where it comes from)`, as
+    `jax.ad_checkpoint.print_saved_residuals` prints them: the leaves of the
+    function `jax.vjp` returns, traced, each named by the equation that
+    made it or the argument it is.
 
     >>> import jax.numpy as jnp
     >>> from jmp_policy.core.diagnostics import saved_residuals
     >>> saved = saved_residuals(lambda x: jnp.sin(x).sum(), jnp.ones(3))
-    >>> [(r.shape, str(r.dtype)) for r, _ in saved]
-    [((3,), 'float32')]
+    >>> [(r.shape, str(r.dtype), where.split(" from ")[0]) for r, where in saved]
+    [((3,), 'float32', 'output of cos')]
     """
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        print_saved_residuals(fn, *args)
+    closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(fn, *a)[1]))(*args)
+    jaxpr = closed.jaxpr
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    made_by = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     found = []
-    for line in out.getvalue().splitlines():
-        match = _RESIDUAL_LINE.match(line.strip())
-        if match is None:
-            continue
-        dtype, shape, where = match.groups()
-        shape = tuple(int(d) for d in shape.split(",") if d)
-        found.append((jax.ShapeDtypeStruct(shape, jnp.dtype(_long_dtype(dtype))), where))
+    for v in jaxpr.outvars:
+        if v in made_by:
+            where = f"output of {made_by[v].primitive.name} from {ji.origin(made_by[v])}"
+        elif v in jaxpr.invars:
+            where = f"from the argument {names[jaxpr.invars.index(v)]}"
+        else:
+            where = "from a constant"
+        aval = ji.shaped(v)
+        found.append((jax.ShapeDtypeStruct(aval.shape, aval.dtype), where))
     return found
-
-
-def _long_dtype(short: str) -> str:
-    """A dtype's name from HLO's short form ('bf16'; FP8 and FP4 residuals: 'f8_e4m3fn')."""
-    return _SHORT_DTYPES.get(short) or re.sub(r"^f(\d+)_", r"float\1_", short)
-
-
-# print_saved_residuals writes dtypes in HLO's short form.
-_SHORT_DTYPES = {
-    "f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64",
-    "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64", "bool": "bool",
-    "u8": "uint8", "u32": "uint32", "c64": "complex64", "c128": "complex128",
-}  # fmt: skip
