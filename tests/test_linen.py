@@ -1735,3 +1735,20 @@ def test_a_layer_that_makes_its_parameters_in_dtype_computes_as_its_own_half_con
     ruled = with_policy(model.apply, "mixed_bfloat16", rules={"_ParamEinsum_1": "f32"})
     dots = contractions(jax.jit(ruled).lower(variables, ids).as_text())
     assert [d.operand_types for d in dots] == [("bf16", "bf16"), ("f32", "f32"), ("f32", "f32")]
+
+
+def test_a_mapping_with_params_left_uncast_must_be_a_models_variables():
+    # The one guess of a plain function's inputs (a mapping with "params" is
+    # Flax variables, left in its dtypes) fails loudly where it is wrong.
+    model, x = nn.Dense(2), jnp.ones((1, 3), F32)
+    variables = model.init(jax.random.key(0), x)
+    for fn in (
+        lambda v, x: model.apply(v, x),
+        lambda v, x: jax.jit(model.apply)(v, x),  # Other arrays, the same variables.
+        lambda v, x: model.apply({"params": v["params"]}, x),
+    ):
+        assert with_policy(fn, "mixed_bfloat16")(variables, x).dtype == F32
+    not_variables = with_policy(lambda d, x: x @ d["params"], "mixed_bfloat16")
+    with jax.numpy_dtype_promotion("standard"):  # Strict promotion refuses x @ params first.
+        with pytest.raises(TypeError, match=r"argument 0 .* for Flax variables .* no linen model"):
+            not_variables({"params": jnp.ones((3, 2), F32)}, x)

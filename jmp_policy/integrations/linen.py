@@ -73,6 +73,9 @@ class _Call:
     prefixes: dict[int, tuple[Any, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
     # `nn.jit` keys its traces on it (see `_nn_jit_keyed_on_the_call`).
     trace_key: int = dataclasses.field(default_factory=lambda: next(_TRACE_KEYS))
+    # The variables bound to each model (a root scope, by id): their arrays'
+    # ids, and their structure and shapes (seen again inside a `jax.jit`).
+    bound: dict[int, tuple[set[int], Any]] = dataclasses.field(default_factory=dict)
 
 
 _CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("call")
@@ -267,6 +270,9 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
             return next_fun(*args, **kwargs)
         module = context.module
         call = _CALL.get()
+        scope = module.scope
+        if scope is not None and scope.parent is None and id(scope) not in call.bound:
+            call.bound[id(scope)] = _identity(module.variables)
         inherited = _ACTIVE_POLICY.get()
         policy, named = _module_policy(module, rules, inherited, call)
         if call.configured is None and context.method_name != "setup":
@@ -639,8 +645,13 @@ def _made_dtypes(
     makes them in the compute dtype and computes with them so; Flax's layers
     make them in `param_dtype`. Found by running `model.init` under the
     policy abstractly (nothing is computed), out of sight of the caller's own
-    method interceptors; empty where `init` does not take these arguments.
+    method interceptors, with the PRNG streams the call draws from.
+
+    Raises:
+      ValueError: if that `init` fails (never a silent guess of the dtypes).
     """
+    # The PRNG streams the call draws from (dropout's), for `init` to draw from too.
+    streams = sorted(kwargs.get("rngs") or ())
     kwargs = {k: v for k, v in kwargs.items() if k not in _APPLY_ONLY}
     leaves, treedef = jax.tree.flatten((args, kwargs))
     at = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
@@ -650,14 +661,19 @@ def _made_dtypes(
         for i, x in zip(at, arrays):
             full[i] = x
         a, k = jax.tree.unflatten(treedef, full)
-        return model.init(jax.random.key(0), *a, **k)
+        key = jax.random.key(0)
+        return model.init({"params": key, **dict.fromkeys(streams, key)}, *a, **k)
 
     specs = [jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for i in at]
     try:
         with _without_callers_interceptors(), _calling(policy, _Call(frozenset()), interceptor):
             shapes = jax.eval_shape(init, *specs)
-    except Exception:  # An init that needs other arguments: parameters as stored.
-        return {}
+    except Exception as e:
+        raise ValueError(
+            f"with_policy runs {type(model).__name__}.init abstractly with the arguments "
+            "of this apply, to learn the dtype each parameter is made in under the "
+            f"policy (a layer may make its parameters in `dtype`), and it failed: {e}"
+        ) from e
     return _dtypes_by_path(shapes.get("params", {}))
 
 
@@ -796,9 +812,12 @@ def _plain_function(
         # variables (a mapping with "params"): modules cast their parameters
         # themselves, and `batch_stats` stay float32. Cast inside the traced
         # program, what comes back from an argument is seen to.
-        keeps = lambda k: keep(k) or _is_variables((args, kwargs), k)  # noqa: E731
-        args, kwargs = casting.cast_inputs(policy, args, kwargs, keeps)
-        return fn(*args, **kwargs)
+        variables = [k for k in (*range(len(args)), *kwargs) if _is_variables((args, kwargs), k)]
+        keeps = lambda k: keep(k) or k in variables  # noqa: E731
+        cast_args, cast_kwargs = casting.cast_inputs(policy, args, kwargs, keeps)
+        out = fn(*cast_args, **cast_kwargs)
+        _check_bound_as_variables(variables, args, kwargs, _CALL.get())
+        return out
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -871,6 +890,26 @@ def _is_variables(args_kwargs: tuple[tuple, dict], key: int | str) -> bool:
     args, kwargs = args_kwargs
     value = args[key] if isinstance(key, int) else kwargs[key]
     return isinstance(value, Mapping) and "params" in value
+
+
+def _identity(tree: Any) -> tuple[set[int], Any]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {id(x) for _, x in flat}, [(jax.tree_util.keystr(p), np.shape(x)) for p, x in flat]
+
+
+def _check_bound_as_variables(keys: list, args: tuple, kwargs: dict, call: _Call) -> None:
+    """Raises unless each argument left uncast as Flax variables was a model's variables:
+    its arrays, or (through a `jax.jit`) variables of its structure and shapes."""
+    for key in keys:
+        value = args[key] if isinstance(key, int) else kwargs[key]
+        ids, layout = _identity(value)
+        if ids and not any(ids & seen or layout == same for seen, same in call.bound.values()):
+            raise TypeError(
+                f"with_policy took argument {key!r} (a mapping with a 'params' entry) for "
+                "Flax variables and left it in its dtypes, but no linen model was applied "
+                "to it. If it is not a model's variables, cast it yourself "
+                "(policy.cast_to_compute) or pass its entries under other names."
+            )
 
 
 def _refuse_nnx_modules(args: tuple, kwargs: dict) -> None:
