@@ -54,10 +54,13 @@ POLICIES = [
 
 
 def apply_fn(policy):
-    model = griffin.Griffin(CONFIG)
+    # Griffin returns `(logits, cache)`. The cache a prefill makes is no
+    # argument's: said to be state, it comes back as the model made it (a
+    # decode step's, written from the one given, would keep its dtypes anyway).
+    model, state = griffin.Griffin(CONFIG), (None, True)
     if policy == "autocast":
-        return jmp.autocast(model.apply, "mixed_bfloat16")
-    return jmp.with_policy(model.apply, policy)
+        return jmp.autocast(model.apply, "mixed_bfloat16", returns_state=state)
+    return jmp.with_policy(model.apply, policy, returns_state=state)
 
 
 @pytest.fixture(scope="module")

@@ -472,3 +472,12 @@ def test_decoding_keeps_the_cache_in_the_compute_dtype_in_every_front_end(kind):
             kv = out.kv if kind == "struct" else out[1]
             assert dtypes(kv) == dtypes(start), name
         assert _float32_products(step, kv) == 0, name
+
+
+def test_a_loop_body_keeps_its_carry_under_returns_state_too():
+    def body(h, x):
+        return jnp.tanh(h + x), h * 2.0
+
+    said = autocast(body, HALF_OUT, returns_state=(None, True))  # ys: as made (float32)
+    h, ys = lax.scan(said, jnp.zeros(4, F32), jnp.ones((3, 4), F32))
+    assert (h.dtype, ys.dtype) == (F32, F32)

@@ -404,7 +404,9 @@ def saved_residuals(fn: Callable, *args: Any) -> list[tuple[jax.ShapeDtypeStruct
     made_by = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     found = []
     for v in jaxpr.outvars:
-        if v in made_by:
+        if isinstance(v, ji.Literal):
+            where = "from a constant"
+        elif v in made_by:
             where = f"output of {made_by[v].primitive.name} from {ji.origin(made_by[v])}"
         elif v in jaxpr.invars:
             where = f"from the argument {names[jaxpr.invars.index(v)]}"

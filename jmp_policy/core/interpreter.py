@@ -422,7 +422,7 @@ def trace_and_eval(fn: Callable, args: Any, rules: Rules | None, *, flow: bool =
         except TypeError as e:
             # A write into a buffer of another dtype (a bf16 cache given to a
             # float32 program) is refused as written. Traced with its floating
-            # arguments in their widest dtype, the program type-checks; run
+            # arguments in float32, the program type-checks; run
             # on the values as given, each write takes its buffer's dtype.
             if rules is None or not ji.is_write_dtype_mismatch(e):
                 raise
@@ -440,8 +440,9 @@ def trace_and_eval(fn: Callable, args: Any, rules: Rules | None, *, flow: bool =
 
 
 def _widened(values):
-    """Stand-ins for `values`, the floating ones in the widest floating dtype among them."""
-    wide = widest([x.dtype for x in values if is_float(x)])
+    """Stand-ins for `values`, the floating ones in float32 (or the wider dtype among them):
+    what a float32 program computes and writes then fits its buffers."""
+    wide = widest([_F32, *(x.dtype for x in values if is_float(x))])
     return [jax.ShapeDtypeStruct(np.shape(x), wide) if is_float(x) else x for x in values]
 
 

@@ -208,8 +208,19 @@ def cast_results(
     def as_result(tree: Any) -> Any:
         return jax.tree.map(lambda x: to_output(x) if isinstance(x, ji.ARRAYS) else x, tree)
 
+    result = _by_returns_state(out, returns_state, by_flow, as_state, as_result)
     if flow.loop_body is not None:
-        return keep_carry(by_flow(out), *flow.loop_body, made=out)
+        return keep_carry(result, *flow.loop_body, made=out)
+    return result
+
+
+def _by_returns_state(
+    out: Any,
+    returns_state: ReturnsState,
+    by_flow: Callable,
+    as_state: Callable,
+    as_result: Callable,
+) -> Any:
     if returns_state is None:
         return by_flow(out)
     spec, treedef = jax.tree_util.tree_flatten(returns_state, is_leaf=lambda x: x is None)
@@ -237,8 +248,7 @@ def keep_carry(out: Any, kind: str, carry: Any, *, made: Any = None) -> Any:
     from `made` (the body's result before any other cast; default `out`)."""
     made = out if made is None else made
     scan = kind == "scan"
-    pair = isinstance(out, (tuple, list)) and len(out) == 2
-    if scan and not pair:
+    if scan and not (type(out) in (tuple, list) and len(out) == 2):
         return out  # Not `(carry, ys)`: JAX's own check says what is wrong.
     new = made[0] if scan else made
     treedef: Any = jax.tree.structure(new)
