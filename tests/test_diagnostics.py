@@ -8,6 +8,7 @@ import math
 
 import flax.linen as nn
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -108,3 +109,17 @@ def test_plot_histogram_accepts_gradients(tmp_path):
     png = tmp_path / "g.png"
     doctor.plot_histogram({"w": jnp.logspace(-12, 2, 100, dtype=jnp.float32)}, png)
     assert_png(png)
+
+
+def test_saved_residuals_reads_the_program_not_printed_text(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("print_saved_residuals was called")
+
+    monkeypatch.setattr(jax.ad_checkpoint, "print_saved_residuals", refuse)
+    monkeypatch.setattr(diagnostics, "print_saved_residuals", refuse, raising=False)
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+    saved = diagnostics.saved_residuals(lambda x, w: jnp.tanh(x @ w).sum(), x, w)
+    assert [r.shape for r, _ in saved] == [(2, 3), (3, 4), (2, 4)]
+    wheres = [where for _, where in saved]
+    assert wheres[:2] == ["from the argument [0]", "from the argument [1]"]
+    assert wheres[2].startswith("output of ") and "test_diagnostics.py:" in wheres[2]

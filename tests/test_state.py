@@ -481,3 +481,16 @@ def test_a_loop_body_keeps_its_carry_under_returns_state_too():
     said = autocast(body, HALF_OUT, returns_state=(None, True))  # ys: as made (float32)
     h, ys = lax.scan(said, jnp.zeros(4, F32), jnp.ones((3, 4), F32))
     assert (h.dtype, ys.dtype) == (F32, F32)
+
+
+def test_a_write_of_another_dtype_patches_nothing_global():
+    # The engine's write rule is an operation's rule: while autocast traces
+    # the program again, JAX's write primitives are JAX's own.
+    seen = []
+
+    def write(cache, k):
+        seen.append("bind" in vars(lax.dynamic_update_slice_p))
+        return lax.dynamic_update_slice(cache, k, (0, 0))
+
+    out = autocast(write, "mixed_bfloat16")(jnp.zeros((2, 3), BF16), jnp.ones((1, 3), F32))
+    assert out.dtype == BF16 and seen and not any(seen)
