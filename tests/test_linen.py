@@ -1752,3 +1752,20 @@ def test_a_mapping_with_params_left_uncast_must_be_a_models_variables():
     with jax.numpy_dtype_promotion("standard"):  # Strict promotion refuses x @ params first.
         with pytest.raises(TypeError, match=r"argument 0 .* for Flax variables .* no linen model"):
             not_variables({"params": jnp.ones((3, 2), F32)}, x)
+
+
+def test_an_init_that_cannot_run_with_the_calls_arguments_is_said():
+    # with_policy reads the dtype each parameter is made in from an abstract
+    # init with the call's arguments; where that init fails, it says so
+    # (was: the stored dtypes, silently).
+    class ScaledByAConstant(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2)(x) * self.get_variable("consts", "scale")
+
+    model, x = ScaledByAConstant(), jnp.ones((1, 3), F32)
+    params = nn.Dense(2).init(jax.random.key(0), x)["params"]
+    variables = {"params": {"Dense_0": params}, "consts": {"scale": jnp.float32(2.0)}}
+    assert model.apply(variables, x).dtype == F32  # The model itself runs.
+    with pytest.raises(ValueError, match=r"runs ScaledByAConstant.init abstractly .* failed"):
+        with_policy(model.apply, "mixed_bfloat16")(variables, x)
