@@ -56,7 +56,7 @@ import numpy as np
 
 from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.dtypes import F32 as _F32
-from jmp_policy.core.interpreter import Rules, may_scale, trace_and_eval
+from jmp_policy.core.interpreter import Rules, flow_recording_runner, may_scale, trace_and_eval
 from jmp_policy.core.matmul import clear_shared_products
 from jmp_policy.core.policy import Policy, get_policy
 from jmp_policy.core.residuals import residual_form, traced_for
@@ -358,13 +358,7 @@ def autocast(
     # original program.
     @functools.wraps(fn, updated=())
     def wrapped(*args, **kwargs):
-        flows = []
-
-        def run(g, args, kwargs):
-            out, flow = trace_and_eval(lambda a, k: g(*a, **k), (args, kwargs), rules, flow=True)
-            flows.append(flow)
-            return out
-
+        run, flows = flow_recording_runner(rules)
         for handler in _STATE_HANDLERS:
             outs = handler(run, fn, args, kwargs)
             if outs is not NotImplemented:

@@ -439,6 +439,20 @@ def trace_and_eval(fn: Callable, args: Any, rules: Rules | None, *, flow: bool =
     return out, flow_of(values, buffer_sources(closed.jaxpr), results)
 
 
+def flow_recording_runner(rules: Rules | None) -> tuple[Callable, list]:
+    """`(run, flows)`: `run(g, args, kwargs)` returns `g(*args, **kwargs)`
+    traced and evaluated under `rules`, and appends its `Flow` to `flows`
+    (the front ends' call, also through a framework's state handler)."""
+    flows: list = []
+
+    def run(g: Callable, args: tuple, kwargs: dict) -> Any:
+        out, flow = trace_and_eval(lambda a, k: g(*a, **k), (args, kwargs), rules, flow=True)
+        flows.append(flow)
+        return out
+
+    return run, flows
+
+
 def _widened(values):
     """Stand-ins for `values`, the floating ones in float32 (or the wider dtype among them):
     what a float32 program computes and writes then fits its buffers."""

@@ -156,8 +156,8 @@ def _restore_carry(loop: str, given_args: tuple, out: Any) -> Any:
     `carry -> carry`: JAX requires the carry to come out as it went in. The
     body computes under the policy (a half carry for half layers, float32
     for a float32 rule or parameter); the carry keeps the dtypes the model
-    gave it (e.g. the float32 state of `LSTMCell.initialize_carry`), by the
-    state rule with the carry said to be state.
+    gave it (e.g. the float32 state of `LSTMCell.initialize_carry`), as the
+    state rule keeps a loop body's carry (`keep_carry`).
     """
     if not given_args:
         return out
@@ -563,6 +563,7 @@ def with_policy(
     scaled = any(m in SCALED_MATMUL_DTYPES for m in matmul_dtypes)
     target, bound_args, bound_kwargs = _unwrap_partial(fn)
     entry = _linen_entry(target)
+    op_rules = matmul_rules(policy.matmul_dtype, policy.fp8_scaling, scoped=True)
 
     def to_output(out: Any, flow: Flow) -> Any:
         return cast_results(out, flow, policy.cast_to_output, returns_state=returns_state)
@@ -594,13 +595,12 @@ def with_policy(
         first, args, kwargs = _split_first(entry, args, kwargs)
         # `init`'s products are never seen: only its parameters are kept.
         call = _Call(keep_inputs=keep_inputs, rewrite=rewrite and entry != "init")
-        rules = matmul_rules(policy.matmul_dtype, policy.fp8_scaling, scoped=True)
         if entry == "apply":
             first = read_as_made(first, args, kwargs)
         with _calling(policy, call, interceptor, (first, args, kwargs) if scaled else ()):
             try:
                 result, flow = trace_and_eval(
-                    run, (first, args, kwargs), rules if call.rewrite else None, flow=True
+                    run, (first, args, kwargs), op_rules if call.rewrite else None, flow=True
                 )
             except (TypeError, ValueError) as e:
                 if entry == "apply":
@@ -805,7 +805,9 @@ def _plain_function(
 ) -> Callable:
     """`with_policy` of a function that is not a linen entry point (a `lambda` around apply)."""
     keep = _keeper(fn, keep_inputs)
-    rules = matmul_rules(policy.matmul_dtype, policy.fp8_scaling, scoped=True) if rewrite else None
+    op_rules = (
+        matmul_rules(policy.matmul_dtype, policy.fp8_scaling, scoped=True) if rewrite else None
+    )
 
     def call_fn(args: tuple, kwargs: dict) -> Any:
         # The function's floating arguments are its inputs, except Flax
@@ -824,7 +826,7 @@ def _plain_function(
         _refuse_nnx_modules(args, kwargs)
         call = _Call(frozenset(), rewrite=rewrite, top=False)
         with _calling(policy, call, interceptor, (args, kwargs) if scaled else ()):
-            out, flow = trace_and_eval(call_fn, (args, kwargs), rules, flow=True)
+            out, flow = trace_and_eval(call_fn, (args, kwargs), op_rules, flow=True)
         return to_output(out, flow)
 
     return wrapped

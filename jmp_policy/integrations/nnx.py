@@ -32,7 +32,7 @@ from flax import nnx
 
 from jmp_policy.core import jax_internals
 from jmp_policy.core.autocast import matmul_rules
-from jmp_policy.core.interpreter import trace_and_eval
+from jmp_policy.core.interpreter import flow_recording_runner
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
 from jmp_policy.core.policy import Policy, get_policy
@@ -378,13 +378,7 @@ class PolicyModule(nnx.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rules = None if self.rewrite_matmul is None else matmul_rules(*self.rewrite_matmul)
-        flows = []
-
-        def run(g: Callable, a: tuple, k: dict) -> Any:
-            out, flow = trace_and_eval(lambda a, k: g(*a, **k), (a, k), rules, flow=True)
-            flows.append(flow)
-            return out
-
+        run, flows = flow_recording_runner(rules)
         try:
             # Inputs cast inside the traced program: what comes back from one is seen to.
             call = functools.partial(_call_with_inputs_cast, self.input_policy, self._keep)
