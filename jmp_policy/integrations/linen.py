@@ -648,7 +648,8 @@ def _made_dtypes(
     method interceptors, with the PRNG streams the call draws from.
 
     Raises:
-      ValueError: if that `init` fails (never a silent guess of the dtypes).
+      Whatever that `init` raises, with a note saying so (never a silent
+      guess of the dtypes).
     """
     # The PRNG streams the call draws from (dropout's), for `init` to draw from too.
     streams = sorted(kwargs.get("rngs") or ())
@@ -668,12 +669,13 @@ def _made_dtypes(
     try:
         with _without_callers_interceptors(), _calling(policy, _Call(frozenset()), interceptor):
             shapes = jax.eval_shape(init, *specs)
-    except Exception as e:
-        raise ValueError(
-            f"with_policy runs {type(model).__name__}.init abstractly with the arguments "
-            "of this apply, to learn the dtype each parameter is made in under the "
-            f"policy (a layer may make its parameters in `dtype`), and it failed: {e}"
-        ) from e
+    except Exception as e:  # Raised unchanged (a user's own error), with where it arose.
+        e.add_note(
+            f"with_policy was running {type(model).__name__}.init abstractly with the "
+            "arguments of this apply, to learn the dtype each parameter is made in under "
+            "the policy (a layer may make its parameters in `dtype`)."
+        )
+        raise
     return _dtypes_by_path(shapes.get("params", {}))
 
 
