@@ -18,9 +18,9 @@ equation, choosing each operation's precision the way `torch.autocast` does:
   reductions, ...) run in the widest floating dtype of their inputs.
 * Anything else runs as written: its floating inputs are cast back to the
   dtypes the traced program had, so it always type-checks. Writes into a
-  buffer (`dynamic_update_slice`, scatters, `.at[].set`) are among them: the
-  buffer and the values written keep the dtype the program gave them, so a
-  decode cache of any dtype stays in it.
+  buffer (`dynamic_update_slice`, scatters, `.at[].set`) keep the buffer's
+  dtype and write the value in it, so a decode cache of any dtype stays in it
+  (a float32 program writing into a half cache included).
 
 Integers, booleans and PRNG keys are never touched, and explicit casts in the
 program are kept (so `jnp.mean` of a bf16 array, which sums in float32 and

@@ -428,7 +428,7 @@ def trace_and_eval(fn: Callable, args: Any, rules: Rules | None, *, flow: bool =
                 raise
             closed = jax.make_jaxpr(traced_fn)(*_widened(values))
         if rules is None:
-            results = ji.eval_jaxpr(closed.jaxpr, closed.consts, values, _as_traced)
+            results = ji.eval_jaxpr(closed.jaxpr, closed.consts, values, ji.bind)
         else:
             results = _eval(closed.jaxpr, closed.consts, values, rules)
     outs = iter(results)
@@ -458,10 +458,6 @@ def _widened(values):
     what a float32 program computes and writes then fits its buffers."""
     wide = widest([_F32, *(x.dtype for x in values if is_float(x))])
     return [jax.ShapeDtypeStruct(np.shape(x), wide) if is_float(x) else x for x in values]
-
-
-def _as_traced(eqn, invals):
-    return ji.bind(eqn, invals)
 
 
 _TRACED = object()  # The place of an array result in `trace_and_eval`.

@@ -42,12 +42,10 @@ ReturnsState = Any
 # in part: a buffer written, grown, selected or cast is still that buffer.
 _MOVES_FIRST = frozenset(
     {
-        "dynamic_update_slice", "scatter", "scatter-add", "scatter_add", "scatter-mul",
-        "scatter_mul", "scatter-min", "scatter_min", "scatter-max", "scatter_max",
-        "scatter-sub", "scatter_sub", "pad", "convert_element_type", "copy", "copy_p",
-        "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "rev",
-        "slice", "dynamic_slice", "gather", "sharding_constraint", "reduce_precision",
-        "split",
+        "dynamic_update_slice", "scatter", "scatter-add", "scatter-mul", "scatter-min",
+        "scatter-max", "pad", "convert_element_type", "copy", "reshape", "squeeze",
+        "broadcast_in_dim", "transpose", "rev", "slice", "dynamic_slice", "gather",
+        "sharding_constraint", "reduce_precision", "split",
     }
 )  # fmt: skip
 # Operations whose result is made of several operands' data.
