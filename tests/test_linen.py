@@ -1770,3 +1770,60 @@ def test_an_init_that_cannot_run_with_the_calls_arguments_is_said():
     with pytest.raises(TypeError) as info:  # The model's own error, with a note.
         with_policy(model.apply, "mixed_bfloat16")(variables, x)
     assert any("running ScaledByAConstant.init abstractly" in n for n in info.value.__notes__)
+
+
+class _DrawsInItsDtype(nn.Module):
+    """Draws its weight in `dtype` (as gemma does) and takes inputs only in it."""
+
+    dtype: Any = F32
+
+    @nn.compact
+    def __call__(self, x):
+        if x.dtype != self.dtype:
+            raise TypeError(f"expects {self.dtype} inputs, got {x.dtype}")
+        return x @ self.param("w", nn.initializers.normal(1.0), (3, 2), self.dtype)
+
+
+def test_init_runs_the_model_once_where_the_policys_draws_are_its_own():
+    runs: list = []
+    x = jnp.ones((1, 3), F32)
+
+    class Counted(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            jax.debug.callback(runs.append, 1)
+            return nn.Dense(2)(x)
+
+    variables = with_policy(Counted().init, "mixed_bfloat16")(jax.random.key(0), x)
+    assert len(runs) == 1  # Was 2: the policy's init, then the plain one.
+    own = Counted().init(jax.random.key(0), x)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), variables, own))
+
+
+def test_init_draws_as_the_model_does_where_the_policy_would_draw_in_half():
+    x = jnp.ones((1, 3), F32)
+    own = _DrawsInItsDtype().init(jax.random.key(0), x)["params"]["w"]
+    # The policy's model takes bf16 inputs; its own init, given them, refuses:
+    # it draws with its floating arguments in float32 (was: the policy's bf16 draws).
+    init = with_policy(_DrawsInItsDtype().init, "mixed_bfloat16")
+    drawn = init(jax.random.key(0), x.astype(BF16))["params"]["w"]
+    assert drawn.dtype == F32 and bool((drawn == own).all())
+    half = with_policy(_DrawsInItsDtype().init, "bf16")(jax.random.key(0), x.astype(BF16))
+    half = half["params"]["w"]
+    assert half.dtype == BF16 and bool((half == own.astype(BF16)).all())
+
+
+def test_an_init_whose_own_form_cannot_run_is_said():
+    class OnlyInHalf(nn.Module):
+        dtype: Any = F32
+
+        @nn.compact
+        def __call__(self, x):
+            if self.dtype != BF16:
+                raise ValueError("this model runs only in bfloat16")
+            return nn.Dense(2, dtype=self.dtype)(x)
+
+    init = with_policy(OnlyInHalf().init, "mixed_bfloat16")
+    with pytest.raises(ValueError, match="only in bfloat16") as info:  # Was: the policy's draws.
+        init(jax.random.key(0), jnp.ones((1, 3), F32))
+    assert any("model's own init" in note for note in info.value.__notes__)

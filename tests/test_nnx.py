@@ -603,3 +603,36 @@ def test_q_k_norm_keys_fit_the_values_cache_as_in_the_hand_written_config():
         assert out.dtype == jnp.float32
         err, hand_err = (float(jnp.max(jnp.abs(o - want))) for o in (out, hand_out))
         assert err <= 1.5 * hand_err + 1e-3, (policy, err, hand_err)
+
+
+class _Normed(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.norm = nnx.LayerNorm(4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.norm(self.linear(x))
+
+
+def _norm_result_dtype(model, x):
+    """The dtype the norm returns in, before the policy's output cast."""
+    jaxpr = jax.make_jaxpr(model)(x).jaxpr
+    last = jaxpr.eqns[-1]
+    assert last.outvars[0] is jaxpr.outvars[0] and last.primitive.name == "convert_element_type"
+    return last.invars[0].aval.dtype
+
+
+def test_policy_module_norms_follow_the_promotion_in_force_when_called():
+    """Flax's NNX norms run in half only under standard promotion: read when called, not made."""
+    x = jnp.ones((2, 4))
+    made_strict = jnnx.PolicyModule(_Normed(nnx.Rngs(0)), "p=f32,c=bf16,o=f16")
+    with jax.numpy_dtype_promotion("standard"):
+        made_standard = jnnx.PolicyModule(_Normed(nnx.Rngs(0)), "p=f32,c=bf16,o=f16")
+        assert _norm_result_dtype(made_strict, x) == BF16  # The hand config's.
+        assert made_standard(x).dtype == np.float16
+    # Made under standard promotion, called under strict: the norm in float32, no error.
+    assert _norm_result_dtype(made_standard, x) == F32
+    assert made_standard(x).dtype == np.float16
+    assert nnx.jit(lambda m, x: m(x))(made_standard, x).dtype == np.float16
+    # The module held is configured once, as `with_policy` made it; calls change only their copy.
+    assert made_strict.module.norm.dtype == F32 and made_standard.module.norm.dtype == BF16

@@ -610,19 +610,12 @@ def with_policy(
             # A whole-model call met every module: a pattern that matched none is a typo.
             rule_set.check_all_matched(call.matched, call.paths, getattr(target, "__self__", None))
         if entry != "apply":
-            # `model.init`'s own draws (a parameter drawn in the model's
-            # `dtype` would otherwise be drawn in half), cast after.
-            try:
-                plain = target(first, *args, **kwargs)
-            except (TypeError, ValueError):
-                # Arguments only the policy's model takes (a half cache):
-                # the policy's own draws.
-                plain = result
             made = result if entry == "init" else result[1]
             if isinstance(made, Mapping) and "params" in made:
                 _MADE.put(model, made_key, args, kwargs, _dtypes_by_path(made["params"]))
-            variables = _init_variables(entry, result, plain, call.owners, policy)
-            return variables if entry == "init" else (to_output(result[0], flow), variables)
+                own = _own_draws(target, entry, (first, args, kwargs), made["params"])
+                made = _params_to_owner_dtypes({**made, "params": own}, call.owners, policy)
+            return made if entry == "init" else (to_output(result[0], flow), made)
         if _returns_collections(kwargs):
             out, collections = result
             return to_output(out, flow), collections
@@ -834,21 +827,66 @@ def _plain_function(
     return wrapped
 
 
-def _init_variables(
-    entry: str, result: Any, plain: Any, owners: dict[tuple[str, ...], Policy], policy: Policy
-) -> Any:
-    """`init`'s variables: the parameters `model.init` drew, the other collections the policy's."""
-    if entry == "init":
-        return _with_params_of(result, plain, owners, policy)
-    return _with_params_of(result[1], plain[1], owners, policy)
+def _own_draws(target: Callable, entry: str, call: tuple[Any, tuple, dict], made: Any) -> Any:
+    """The parameters `model.init` itself draws, where the policy's draws differ.
+
+    A parameter the model draws in its `dtype` (`self.param(..., self.dtype)`)
+    or in a half param dtype is drawn in half under the policy: its values
+    are the plain `init`'s, cast after. Only then is `init` run a second time;
+    which parameters differ is read from an abstract plain `init`. Arguments
+    only the policy's model takes (a half cache the float32 model would
+    write float32 into) are given to it in float32.
+
+    Raises:
+      The plain `init`'s own error, with a note, where it cannot run.
+      ValueError: if it makes other parameters than the policy's.
+    """
+    first, args, kwargs = call
+
+    def plain(*call_args: Any) -> Any:
+        out = target(first, *call_args[0], **call_args[1])
+        return (out if entry == "init" else out[1])["params"]
+
+    try:
+        own = jax.eval_shape(plain, args, kwargs)
+    except (TypeError, ValueError) as error:
+        args, kwargs = _widened((args, kwargs))
+        try:
+            own = jax.eval_shape(plain, args, kwargs)
+        except Exception:
+            error.add_note(
+                "with_policy was running the model's own init (also with its floating "
+                "arguments in float32) to draw its parameters as it does."
+            )
+            raise error from None
+    if _shapes_by_path(own) != _shapes_by_path(made):
+        raise ValueError(
+            "with_policy: the model makes other parameters under the policy than its own "
+            "init does (a shape or structure that follows a dtype), so its own draws "
+            "cannot stand in for the policy's."
+        )
+    if all(
+        np.dtype(b.dtype).itemsize >= np.dtype(a.dtype).itemsize
+        for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(made))
+    ):
+        return made  # The same draws.
+    return plain(args, kwargs)
 
 
-def _with_params_of(
-    variables: Any, plain: Any, owners: dict[tuple[str, ...], Policy], policy: Policy
-) -> Any:
-    if "params" not in variables or "params" not in plain:
-        return variables
-    return _params_to_owner_dtypes({**variables, "params": plain["params"]}, owners, policy)
+def _shapes_by_path(params: Any) -> list[tuple[str, tuple[int, ...]]]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    return [(jax.tree_util.keystr(path), np.shape(x)) for path, x in flat]
+
+
+def _widened(tree: Any) -> Any:
+    """`tree`, its floating arrays narrower than float32 in float32."""
+
+    def widen(x: Any) -> Any:
+        if is_float(x) and np.dtype(x.dtype).itemsize < 4:
+            return jnp.asarray(x, np.float32)
+        return x
+
+    return jax.tree.map(widen, tree)
 
 
 def _explain_state_dtypes(error: Exception, variables: Any, policy: Policy) -> None:

@@ -50,6 +50,8 @@ PathParts = tuple[Any, ...]
 # strict dtype promotion Flax's NNX norms cannot run in half at all
 # (`jnp.promote_types(bfloat16, float32)`): there they compute in float32 unless
 # a rule names them; the next NNX layer casts its inputs to its own dtype.
+# `PolicyModule` reads the promotion in force when called, `with_policy`'s
+# bare copy (which has no call of its own) when made.
 _NORMS = (nnx.BatchNorm, nnx.GroupNorm, nnx.InstanceNorm, nnx.LayerNorm, nnx.RMSNorm)
 
 
@@ -60,6 +62,14 @@ def _norm_policy(policy: Policy) -> Policy:
     ):
         return policy
     return policy.with_compute_dtype(np.float32)
+
+
+def _configure(module: nnx.Module, policy: Policy) -> None:
+    """Sets `module`'s dtype attributes (and matmul products) to `policy`'s."""
+    for name, value in casting.attribute_overrides(module, policy).items():
+        setattr(module, name, value)
+    for name, value in casting.matmul_overrides(module, policy).items():
+        setattr(module, name, value)
 
 
 def _path_str(path: PathParts) -> str:
@@ -88,8 +98,6 @@ def _module_policies(
         best, named = rules.policy_for(modules[path], _path_str(path), inherited, matched)
         if named:
             named_paths.add(path)
-        elif isinstance(modules[path], _NORMS):
-            best = _norm_policy(best)
         resolved[path] = best
     rules.check_all_matched(matched, (_path_str(p) for p in modules), module)
     return resolved, named_paths
@@ -118,7 +126,8 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
     those that no rule names compute in float32 (in the compute dtype if that
     is wider) and return float32; the next NNX layer casts their output back
     to its own dtype, so no matmul becomes float32. A rule naming a norm (e.g.
-    `{nnx.LayerNorm: policy}`) overrides this.
+    `{nnx.LayerNorm: policy}`) overrides this. The copy is configured for the
+    promotion in force when it is made; a `PolicyModule` reads it at each call.
 
     The copy (`nnx.clone`) has new `Variable`s, sharing arrays not cast, so
     the original module is left unchanged, and updating the copy (with an
@@ -184,7 +193,7 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
 
 def _with_policy(
     module: nnx.Module, policy: PolicyLike, rules: Rules | None
-) -> tuple[nnx.Module, dict[PathParts, Policy], set[PathParts]]:
+) -> tuple[nnx.Module, dict[PathParts, Policy], set[PathParts], set[PathParts]]:
     if not isinstance(module, nnx.Module):
         raise TypeError(
             f"jmp_policy.nnx.with_policy expects a flax.nnx.Module, got {module!r}; "
@@ -195,22 +204,23 @@ def _with_policy(
     mixed = nnx.clone(module)
     _rebind_closures(module, mixed)
     policies, named = _module_policies(mixed, rule_set, policy)
+    norms = {
+        path
+        for path, sub in nnx.iter_modules(mixed)
+        if isinstance(sub, _NORMS) and path not in named and not casting.keeps_its_dtypes(sub)
+    }
     modules = dict(nnx.iter_modules(mixed))
     for path, sub in modules.items():
         if casting.keeps_its_dtypes(sub):
             continue  # Complex parameters are left alone by `cast_to_param` too.
-        p = policies[path]
-        for name, value in casting.attribute_overrides(sub, p).items():
-            setattr(sub, name, value)
-        for name, value in casting.matmul_overrides(sub, p).items():
-            setattr(sub, name, value)
+        _configure(sub, _norm_policy(policies[path]) if path in norms else policies[path])
     for path, node in nnx.iter_graph(mixed):
         if isinstance(node, nnx.Param):
             value = node.get_value()
             cast = policies[_nearest_prefix(path, modules)].cast_to_param(value)
             if cast is not value:
                 node.set_value(cast)
-    return mixed, policies, named
+    return mixed, policies, named, norms
 
 
 def _rebind_closures(original: nnx.Module, copy: nnx.Module) -> None:
@@ -291,7 +301,9 @@ class PolicyModule(nnx.Module):
     holds for the whole model, the call is rewritten at the level of
     operations (`matmuls_in`), so every product takes it (`@` and
     `jnp.einsum` in model code, attention); with a rule that changes it,
-    only NNX's layers do. Its state is the module's under the prefix
+    only NNX's layers do. Its norms follow the dtype promotion in force at
+    each call (float32 under strict, see `with_policy`), set on the copy the
+    traced call works on. Its state is the module's under the prefix
     `module`; call other methods through `.module`.
 
     Under `nnx.scan` the loop carry must keep its dtype: a rule that puts a
@@ -344,7 +356,9 @@ class PolicyModule(nnx.Module):
     ) -> None:
         self.policy = get_policy(policy)
         self.returns_state = returns_state
-        self.module, policies, named = _with_policy(module, self.policy, rules)
+        self.module, policies, named, norms = _with_policy(module, self.policy, rules)
+        # The norms' configuration follows the promotion in force at each call.
+        self._norms = tuple((path, policies[path]) for path in sorted(norms, key=_path_str))
         # The model's inputs are cast as any layer's: by its own policy (a
         # rule on the model decides), if it is a layer or a rule names it.
         root = self.module
@@ -381,7 +395,9 @@ class PolicyModule(nnx.Module):
         run, flows = flow_recording_runner(rules)
         try:
             # Inputs cast inside the traced program: what comes back from one is seen to.
-            call = functools.partial(_call_with_inputs_cast, self.input_policy, self._keep)
+            call = functools.partial(
+                _call_with_inputs_cast, self.input_policy, self._keep, self._norms
+            )
             out = autocast_with_state(run, call, (self.module, *args), kwargs)
         except TypeError as e:
             if not (jax_internals.is_loop_carry_type_change(e) and self._switched):
@@ -398,9 +414,22 @@ class PolicyModule(nnx.Module):
 
 
 def _call_with_inputs_cast(
-    policy: Policy | None, keep: Callable, module: nnx.Module, *args: Any, **kwargs: Any
+    policy: Policy | None,
+    keep: Callable,
+    norms: tuple[tuple[PathParts, Policy], ...],
+    module: nnx.Module,
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
-    """`module(*args, **kwargs)`, the arguments not kept cast to `policy`'s compute dtype."""
+    """`module(*args, **kwargs)`, the arguments not kept cast to `policy`'s compute dtype.
+
+    `module` is the copy the traced call merged, so its norms are configured
+    for the promotion in force now, and the caller's module is left as it is.
+    """
+    if norms:
+        modules = dict(nnx.iter_modules(module))
+        for path, norm_policy in norms:
+            _configure(modules[path], _norm_policy(norm_policy))
     if policy is not None:
         args = tuple(a if keep(i) else policy.cast_to_compute(a) for i, a in enumerate(args))
         kwargs = {k: v if keep(k) else policy.cast_to_compute(v) for k, v in kwargs.items()}
