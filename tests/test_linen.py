@@ -1605,7 +1605,9 @@ def test_a_module_defining_getattr_runs_under_every_policy_and_rule():
     model, x = Net(Config()), jnp.ones((2, 3))
     variables = with_policy(model.init, "mixed_bfloat16")(jax.random.key(0), x)
     for policy, rules, want in [
-        ("mixed_bfloat16", None, [("bf16", "bf16"), ("f32", "f32")]),  # `@` as written.
+        # The model's own `@` of float32 operands takes the compute dtype too:
+        # the engine decides every product, not the layers' fields.
+        ("mixed_bfloat16", None, [("bf16", "bf16")] * 2),
         ("p=f32,c=bf16,o=f32,m=bf16", None, [("bf16", "bf16")] * 2),
         ("p=f32,c=bf16,o=f32,m=bf16", {"block": "f32"}, [("f32", "f32"), ("bf16", "bf16")]),
     ]:
@@ -1730,11 +1732,12 @@ def test_a_layer_that_makes_its_parameters_in_dtype_computes_as_its_own_half_con
     hand_err = float(jnp.max(jnp.abs(_ParamLM(dtype=jnp.bfloat16).apply(hand, ids) - want)))
     err = float(jnp.max(jnp.abs(apply(variables, ids) - want)))
     assert apply(variables, ids).dtype == F32 and err <= 1.5 * hand_err, (err, hand_err)
-    # A rule keeps a layer's parameters, and so its product, in float32 (and
-    # the float32 residual it feeds the tied head).
+    # A rule keeps a layer's parameters, and so its product, in float32; the
+    # tied head it feeds a float32 residual multiplies in its own module's
+    # compute dtype (the engine decides, not the operands).
     ruled = with_policy(model.apply, "mixed_bfloat16", rules={"_ParamEinsum_1": "f32"})
     dots = contractions(jax.jit(ruled).lower(variables, ids).as_text())
-    assert [d.operand_types for d in dots] == [("bf16", "bf16"), ("f32", "f32"), ("f32", "f32")]
+    assert [d.operand_types for d in dots] == [("bf16", "bf16"), ("f32", "f32"), ("bf16", "bf16")]
 
 
 def test_a_mapping_with_params_left_uncast_must_be_a_models_variables():
@@ -1790,13 +1793,14 @@ def test_init_runs_the_model_once_where_the_policys_draws_are_its_own():
 
     class Counted(nn.Module):
         @nn.compact
-        def __call__(self, x):
+        def __call__(self, x, train: bool):
             jax.debug.callback(runs.append, 1)
-            return nn.Dense(2)(x)
+            return nn.Dropout(0.5, deterministic=not train)(nn.Dense(2)(x))
 
-    variables = with_policy(Counted().init, "mixed_bfloat16")(jax.random.key(0), x)
+    # A Python flag stays one in the abstract init that reads the draws' dtypes.
+    variables = with_policy(Counted().init, "mixed_bfloat16")(jax.random.key(0), x, train=False)
     assert len(runs) == 1  # Was 2: the policy's init, then the plain one.
-    own = Counted().init(jax.random.key(0), x)
+    own = Counted().init(jax.random.key(0), x, train=False)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), variables, own))
 
 

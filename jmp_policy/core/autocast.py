@@ -171,17 +171,40 @@ def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def matmul_rules(matmul_dtype: Any, fp8_scaling: str = "tensor", *, scoped: bool = False) -> Rules:
-    """The `Rules` of `matmuls_in`: every `dot_general` takes `matmul_dtype`'s product."""
+def matmul_rules(
+    matmul_dtype: Any,
+    fp8_scaling: str = "tensor",
+    *,
+    scoped: bool = False,
+    compute_dtype: Any = _F32,
+) -> Rules:
+    """The `Rules` of `matmuls_in`: every `dot_general` takes `matmul_dtype`'s
+    product; without one, a product whose operands are wider than
+    `compute_dtype` takes them in it (float32 accumulation), the others run
+    as written."""
     return Rules(
-        compute_dtype=_F32,
-        half=frozenset({"dot_general"}),
+        compute_dtype=np.dtype(compute_dtype),
+        half=frozenset({"dot_general", "conv_general_dilated"}),
         float32=frozenset(),
         promote=frozenset(),
         matmul_dtype=None if matmul_dtype is None else np.dtype(matmul_dtype),
         fp8_scaling=fp8_scaling,
         scoped=scoped,
     )
+
+
+def policy_products(policy: Policy) -> tuple[np.dtype, np.dtype | None, str]:
+    """What decides a product under `policy`: its compute dtype, matmul dtype and FP8 scaling."""
+    m = None if policy.matmul_dtype is None else np.dtype(policy.matmul_dtype)
+    return np.dtype(policy.compute_dtype), m, policy.fp8_scaling
+
+
+def product_rules(policy: Policy) -> Rules:
+    """A front end's op-level rewrite under `policy`: every product takes its
+    compute dtype (where its operands are wider) or its matmul dtype, except
+    inside a `product_scope` (a module a rule gives other ones)."""
+    c, m, scaling = policy_products(policy)
+    return matmul_rules(m, scaling, scoped=True, compute_dtype=c)
 
 
 def matmuls_in(
@@ -198,8 +221,8 @@ def matmuls_in(
     attention): half operands with float32 accumulation, or FP8
     (`fp8_dot_general`, with `fp8_scaling`), forward and backward. Each
     product keeps the result dtype of the traced program. With `scoped`, a
-    product traced inside `matmul_scope(d)` takes `d` instead (None: as
-    written), the innermost scope winning; `matmul_dtype` may then be None.
+    product traced inside `product_scope(c, m)` takes those instead, the
+    innermost scope winning; `matmul_dtype` may then be None.
     Array arguments are traced, anything else is static. With `shared` (not
     with `scoped`), for an `fn` called often with the same shapes (the
     attention of every layer): calls whose other arguments are plain values

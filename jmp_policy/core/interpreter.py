@@ -8,8 +8,8 @@ written (its floating inputs cast back to the dtypes the traced program had).
 Nested programs are rewritten for the inputs they get: calls as if inlined,
 loops and branches with their original carry and branch types, checkpointed,
 `custom_jvp` and `custom_vjp` functions inside a new one of the same kind,
-`shard_map` bodies inside a new `shard_map`. `matmul_scope` marks products
-that take another matmul dtype, read back from the name stack.
+`shard_map` bodies inside a new `shard_map`. `product_scope` marks products
+that take another compute or matmul dtype, read back from the name stack.
 """
 
 from __future__ import annotations
@@ -56,9 +56,8 @@ class Rules:
     matmul_dtype: np.dtype | None = None
     # Under an FP8 or FP4 matmul dtype: its scaling ("tensor", "rowwise", "mxfp8", "nvfp4").
     fp8_scaling: str = "tensor"
-    # Whether `matmul_scope` markers in a product's name stack choose its
-    # matmul dtype (`matmul_dtype` where there is none); a product whose
-    # scope says None runs as written.
+    # Whether `product_scope` markers in a product's name stack choose its
+    # compute and matmul dtypes (the rules' own where there is none).
     scoped: bool = False
 
     @property
@@ -216,10 +215,10 @@ _HIGHER_ORDER[ji.custom_jvp_call_p] = _custom_jvp_rule
 _HIGHER_ORDER[ji.custom_vjp_call_p] = _custom_vjp_rule
 
 
-# `matmul_scope` markers: a module (or any code) whose products take another
-# matmul dtype than the code around it, read back from the name stack.
-_SCOPE = "jmp_policy_matmul_"
-_SCOPE_NAME = re.compile(_SCOPE + r"(\w+)")
+# `product_scope` markers: a module (or any code) whose products take another
+# compute or matmul dtype than the code around it, read back from the name stack.
+_SCOPE = "jmp_policy_products"
+_SCOPE_NAME = re.compile(re.escape(_SCOPE) + r"\[c=(\w+);m=(\w+);s=(\w+)\]")
 # The name stack outside the program being traced: JAX traces nested programs
 # (loop bodies, checkpointed and custom_jvp functions) with an empty one.
 _OUTER_STACK: contextvars.ContextVar[str] = contextvars.ContextVar("outer_stack", default="")
@@ -244,33 +243,32 @@ def _in_scope(fn: Callable) -> Callable:
     return inner
 
 
-def matmul_scope(
-    matmul_dtype: Any, fp8_scaling: str = "tensor"
+def product_scope(
+    compute_dtype: Any, matmul_dtype: Any, fp8_scaling: str = "tensor"
 ) -> contextlib.AbstractContextManager:
     """Marks the products traced inside it for `matmuls_in(..., scoped=True)`.
 
-    They take `matmul_dtype` (None: as written; FP8 or FP4 with `fp8_scaling`)
+    They take `compute_dtype` operands where theirs are wider, or
+    `matmul_dtype`'s product (None: none; FP8 or FP4 with `fp8_scaling`),
     whatever the code around them takes.
     """
-    name = "none" if matmul_dtype is None else np.dtype(matmul_dtype).name
-    return jax.named_scope(f"{_SCOPE}{name}_{fp8_scaling}")
+    m = "none" if matmul_dtype is None else np.dtype(matmul_dtype).name
+    c = np.dtype(compute_dtype).name
+    return jax.named_scope(f"{_SCOPE}[c={c};m={m};s={fp8_scaling}]")
 
 
-def _scoped_matmul_dtype(rules: Rules) -> tuple[np.dtype | None, str]:
-    """The innermost scope's `(matmul dtype, FP8 scaling)`, else the rules' own."""
-    names = _SCOPE_NAME.findall(_name_stack())
+def _products_here(rules: Rules) -> tuple[np.dtype, np.dtype | None, str]:
+    """`(compute dtype, matmul dtype, FP8 scaling)` of a product: its innermost
+    scope's under scoped rules, else the rules' own."""
+    names = _SCOPE_NAME.findall(_name_stack()) if rules.scoped else ()
     if not names:
-        return rules.matmul_dtype, rules.fp8_scaling
-    dtype, _, scaling = names[-1].rpartition("_")
-    return (None if dtype == "none" else np.dtype(dtype)), scaling
+        return rules.compute_dtype, rules.matmul_dtype, rules.fp8_scaling
+    c, m, scaling = names[-1]
+    return np.dtype(c), (None if m == "none" else np.dtype(m)), scaling
 
 
-def _matmul_dtype_product(eqn, invals, rules):
-    """A dot_general under the policy's matmul dtype, or None where that does not apply."""
-    if rules.scoped:
-        m, scaling = _scoped_matmul_dtype(rules)
-    else:
-        m, scaling = rules.matmul_dtype, rules.fp8_scaling
+def _matmul_dtype_product(eqn, invals, rules, m, scaling):
+    """A dot_general under the matmul dtype `m`, or None where that does not apply."""
     if m is None or eqn.primitive is not ji.dot_general_p:
         return None  # Convolutions run in the compute dtype, also under FP8.
     lhs, rhs = invals
@@ -289,13 +287,15 @@ def _matmul_dtype_product(eqn, invals, rules):
 
 
 def _product_rule(eqn, invals, rules):
-    out = _matmul_dtype_product(eqn, invals, rules)
+    c, m, scaling = _products_here(rules)
+    out = _matmul_dtype_product(eqn, invals, rules, m, scaling)
     if out is not None:
         return out
-    if rules.scoped:
-        return ji.bind(eqn, _as_original(eqn, invals))  # No matmul dtype here.
     lhs, rhs = invals
-    c, out_dtype = rules.compute_dtype, eqn.outvars[0].aval.dtype
+    if rules.only_products and max(x.dtype.itemsize for x in invals) <= c.itemsize:
+        # Operands in the compute dtype (or narrower) already: as written.
+        return ji.bind(eqn, _as_original(eqn, invals))
+    out_dtype = eqn.outvars[0].aval.dtype
     if out_dtype == c:
         # The program asked for a half result: JAX's own backward is half too.
         return ji.bind(eqn, [cast(lhs, c), cast(rhs, c)])

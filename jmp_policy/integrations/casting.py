@@ -73,6 +73,20 @@ def configures_dtypes(model: Any) -> bool:
         return False
 
 
+# Modules whose own maths are statistics the model's own half config keeps in
+# float32 (it builds them without a `dtype`): SpectralNorm's power iteration.
+_FLOAT32_STATISTICS: tuple[type, ...] = (nn.SpectralNorm, nnx.SpectralNorm)
+
+
+def own_policy(module: Any, policy: Policy) -> Policy:
+    """The policy of what `module` computes itself: `policy`, or for a module
+    of float32 statistics, its compute dtype at least float32 (the modules it
+    wraps still take `policy`)."""
+    if not isinstance(module, _FLOAT32_STATISTICS):
+        return policy
+    return policy.with_compute_dtype(np.promote_types(policy.compute_dtype, np.float32))
+
+
 def looks_up_as_built(module: Any, method_name: str, *, configured: bool, named: bool) -> bool:
     """Whether a linen `nn.Embed`'s lookup keeps the dtype it was built with.
 

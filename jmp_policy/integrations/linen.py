@@ -7,10 +7,11 @@ runs under any policy, as its own hand-written half-precision config would:
 Flax's layers cast what they compute with, values moving between modules
 keep their dtypes (`jmp_policy.integrations.casting` decides, for linen and
 NNX alike), and the carries of lifted loops (`nn.scan`, `nn.RNN`,
-`nn.while_loop`) keep theirs. Under a matmul dtype the call is rewritten at
-the level of operations (`matmuls_in`) so that every product takes it; a
-module whose rule changes the matmul dtype marks its products with a name
-scope (`matmul_scope`).
+`nn.while_loop`) keep theirs. Every product's dtype is decided by the
+op-level rewrite of the call (`matmuls_in`), the fields being only the usual
+route: a product whose operands are wider than its module's compute dtype
+takes it, and under a matmul dtype every product takes that; a module whose
+rule changes either marks its products with a name scope (`product_scope`).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ import numpy as np
 from flax import nnx
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.autocast import matmul_rules
+from jmp_policy.core.autocast import policy_products, product_rules
 from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, is_float
-from jmp_policy.core.interpreter import matmul_scope, trace_and_eval
+from jmp_policy.core.interpreter import product_scope, trace_and_eval
 from jmp_policy.core.policy import Policy, get_policy
 from jmp_policy.core.residuals import traced_for
 from jmp_policy.core.state import Flow, ReturnsState, cast_results, keep_carry
@@ -56,7 +57,7 @@ class _Call:
     """What one call of a wrapped function records and needs while it runs."""
 
     keep_inputs: frozenset[str]
-    rewrite: bool = False  # Products take matmul dtypes through the op-level rewrite.
+    rewrite: bool = False  # Products are decided by the op-level rewrite (not in `init`).
     top: bool = True  # The next intercepted call is the model's own (its inputs).
     # Whether the model has a dtype config (`casting.configures_dtypes`); None
     # until its own call.
@@ -71,6 +72,8 @@ class _Call:
     # scope (by id) the path its modules are under (see `_module_path`).
     running: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
     prefixes: dict[int, tuple[Any, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
+    # What decides the products in each running module's scope (`policy_products`), innermost last.
+    products: list[tuple] = dataclasses.field(default_factory=list)
     # `nn.jit` keys its traces on it (see `_nn_jit_keyed_on_the_call`).
     trace_key: int = dataclasses.field(default_factory=lambda: next(_TRACE_KEYS))
     # The variables bound to each model (a root scope, by id): their arrays'
@@ -264,11 +267,13 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
         # `setup` included: parameters created there (nn.Embed's) must take the
         # module's param dtype, also where a rule changes it.
         name = context.method_name
-        if name.startswith("__") and name != "__call__":
-            # Flax intercepts a module's own `__getattr__` too, which reading
-            # its `dtype` below would call again.
-            return next_fun(*args, **kwargs)
         module = context.module
+        if (name.startswith("__") and name != "__call__") or module.scope is None:
+            # Flax intercepts a module's own `__getattr__` too, which reading
+            # its `dtype` below would call again; and a method of an unbound
+            # module (an `apply` or `init` a model overrides), which binds it
+            # and calls the module's own methods, intercepted then.
+            return next_fun(*args, **kwargs)
         call = _CALL.get()
         scope = module.scope
         if scope is not None and scope.parent is None and id(scope) not in call.bound:
@@ -277,11 +282,14 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
         policy, named = _module_policy(module, rules, inherited, call)
         if call.configured is None and context.method_name != "setup":
             call.configured = casting.configures_dtypes(module)  # The model's own.
-        as_built = casting.looks_up_as_built(
+        # What the module computes itself: statistics the hand config keeps
+        # in float32 stay so; the modules it calls take `policy`.
+        own = policy if named else casting.own_policy(module, policy)
+        as_built = own is not policy or casting.looks_up_as_built(
             module, context.method_name, configured=bool(call.configured), named=named
         )
-        overrides = casting.attribute_overrides(module, policy, keep_dtype=as_built)
-        overrides.update(casting.matmul_overrides(module, policy, rewritten=call.rewrite))
+        overrides = casting.attribute_overrides(module, own, keep_dtype=as_built)
+        overrides.update(casting.matmul_overrides(module, own, rewritten=call.rewrite))
         saved = {name: getattr(module, name) for name in overrides}
         token = _ACTIVE_POLICY.set(policy)
         # The model's own call: the first one, `setup` aside (Flax runs it first).
@@ -298,15 +306,12 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
         # duration of this call only, and put the user's values back after.
         for name, value in overrides.items():
             object.__setattr__(module, name, value)
-        # A module whose products take another matmul dtype than its parent's
-        # marks them for the op-level rewrite (see `with_policy`).
-        scope = (
-            matmul_scope(policy.matmul_dtype, policy.fp8_scaling)
-            if call.rewrite
-            and (policy.matmul_dtype, policy.fp8_scaling)
-            != (inherited.matmul_dtype, inherited.fp8_scaling)
-            else contextlib.nullcontext()
-        )
+        # A module whose products take another compute or matmul dtype than
+        # its parent's marks them for the op-level rewrite (see `with_policy`).
+        products = policy_products(own)
+        scoped = call.rewrite and products != call.products[-1]
+        scope = product_scope(*products) if scoped else contextlib.nullcontext()
+        call.products.append(products)
         try:
             if remat_norms and _should_remat(module, context.method_name, policy):
                 next_fun = _rematerialised(next_fun, call.norm_programs)
@@ -319,6 +324,7 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
                 object.__setattr__(module, name, value)
             _ACTIVE_POLICY.reset(token)
             call.running.pop()
+            call.products.pop()
 
     return interceptor
 
@@ -483,6 +489,14 @@ def with_policy(
     (softmax in the compute dtype): Flax's `force_fp32_for_softmax=True` would
     also turn the weights-times-values matmul into float32.
 
+    Every product is decided at the level of operations, whatever the
+    fields say: the call is rewritten (`matmuls_in`) so that a product whose
+    operands are wider than its module's compute dtype takes them in it, with
+    float32 accumulation; so a layer that keeps its dtype in a field of
+    another name (a rotary embedding's `fprop_dtype`), reads `dtype` as its
+    parameters' dtype, or sits behind `nnx.bridge.ToLinen`, multiplies in
+    the compute dtype too. Products already in it run as written.
+
     A policy with a `matmul_dtype` (`"p=f32,c=bf16,o=f32,m=bf16"`,
     `"mixed_float8"`) sets every product of the model: `half_dot_general`
     (float32 accumulation) or `fp8_dot_general`, forward and backward. The
@@ -557,19 +571,17 @@ def with_policy(
         raise TypeError(f"remat_norms must be True or False, got {remat_norms!r}.")
     keep_inputs = input_names(keep_inputs)
     interceptor = _make_interceptor(rule_set, remat_norms)
-    # Products take matmul dtypes through the op-level rewrite only where one is set.
     matmul_dtypes = (policy.matmul_dtype, *rule_set.matmul_dtypes)
-    rewrite = any(m is not None for m in matmul_dtypes)
     scaled = any(m in SCALED_MATMUL_DTYPES for m in matmul_dtypes)
     target, bound_args, bound_kwargs = _unwrap_partial(fn)
     entry = _linen_entry(target)
-    op_rules = matmul_rules(policy.matmul_dtype, policy.fp8_scaling, scoped=True)
+    op_rules = product_rules(policy)
 
     def to_output(out: Any, flow: Flow) -> Any:
         return cast_results(out, flow, policy.cast_to_output, returns_state=returns_state)
 
     if entry is None:
-        return _plain_function(fn, policy, interceptor, keep_inputs, rewrite, scaled, to_output)
+        return _plain_function(fn, policy, interceptor, keep_inputs, scaled, to_output)
 
     def run(first, args, kwargs):
         return target(first, *args, **kwargs)
@@ -594,7 +606,7 @@ def with_policy(
         # variables keep their dtypes; modules cast their parameters.
         first, args, kwargs = _split_first(entry, args, kwargs)
         # `init`'s products are never seen: only its parameters are kept.
-        call = _Call(keep_inputs=keep_inputs, rewrite=rewrite and entry != "init")
+        call = _Call(keep_inputs=keep_inputs, rewrite=entry != "init")
         if entry == "apply":
             first = read_as_made(first, args, kwargs)
         with _calling(policy, call, interceptor, (first, args, kwargs) if scaled else ()):
@@ -647,21 +659,14 @@ def _made_dtypes(
     # The PRNG streams the call draws from (dropout's), for `init` to draw from too.
     streams = sorted(kwargs.get("rngs") or ())
     kwargs = {k: v for k, v in kwargs.items() if k not in _APPLY_ONLY}
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    at = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
 
-    def init(*arrays: Any) -> Any:
-        full = list(leaves)
-        for i, x in zip(at, arrays):
-            full[i] = x
-        a, k = jax.tree.unflatten(treedef, full)
+    def init(*a: Any, **k: Any) -> Any:
         key = jax.random.key(0)
         return model.init({"params": key, **dict.fromkeys(streams, key)}, *a, **k)
 
-    specs = [jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for i in at]
     try:
         with _without_callers_interceptors(), _calling(policy, _Call(frozenset()), interceptor):
-            shapes = jax.eval_shape(init, *specs)
+            shapes = _shapes_of(init, args, kwargs)
     except Exception as e:  # Raised unchanged (a user's own error), with where it arose.
         e.add_note(
             f"with_policy was running {type(model).__name__}.init abstractly with the "
@@ -781,6 +786,7 @@ def _calling(
     the derivatives of `values` (the call's arguments, under an FP8 policy) need."""
     token = _ACTIVE_POLICY.set(policy)
     call_token = _CALL.set(call)
+    call.products.append(policy_products(policy))  # The rewrite's own, outside every scope.
     try:
         with nn.intercept_methods(interceptor), traced_for(jax.tree.leaves(values)):
             yield
@@ -794,15 +800,12 @@ def _plain_function(
     policy: Policy,
     interceptor: Callable,
     keep_inputs: frozenset[str],
-    rewrite: bool,
     scaled: bool,
     to_output: Callable[[Any, Flow], Any],
 ) -> Callable:
     """`with_policy` of a function that is not a linen entry point (a `lambda` around apply)."""
     keep = _keeper(fn, keep_inputs)
-    op_rules = (
-        matmul_rules(policy.matmul_dtype, policy.fp8_scaling, scoped=True) if rewrite else None
-    )
+    op_rules = product_rules(policy)
 
     def call_fn(args: tuple, kwargs: dict) -> Any:
         # The function's floating arguments are its inputs, except Flax
@@ -819,12 +822,30 @@ def _plain_function(
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         _refuse_nnx_modules(args, kwargs)
-        call = _Call(frozenset(), rewrite=rewrite, top=False)
+        call = _Call(frozenset(), rewrite=True, top=False)
         with _calling(policy, call, interceptor, (args, kwargs) if scaled else ()):
             out, flow = trace_and_eval(call_fn, (args, kwargs), op_rules, flow=True)
         return to_output(out, flow)
 
     return wrapped
+
+
+def _shapes_of(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """`jax.eval_shape(fn, *args, **kwargs)`, only the arrays abstract (a
+    `train=False` flag stays a Python value)."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    at = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+
+    def on(*arrays: Any) -> Any:
+        full = list(leaves)
+        for i, x in zip(at, arrays):
+            full[i] = x
+        a, k = jax.tree.unflatten(treedef, full)
+        return fn(*a, **k)
+
+    return jax.eval_shape(
+        on, *(jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for i in at)
+    )
 
 
 def _own_draws(target: Callable, entry: str, call: tuple[Any, tuple, dict], made: Any) -> Any:
@@ -843,16 +864,16 @@ def _own_draws(target: Callable, entry: str, call: tuple[Any, tuple, dict], made
     """
     first, args, kwargs = call
 
-    def plain(*call_args: Any) -> Any:
-        out = target(first, *call_args[0], **call_args[1])
+    def plain(*a: Any, **k: Any) -> Any:
+        out = target(first, *a, **k)
         return (out if entry == "init" else out[1])["params"]
 
     try:
-        own = jax.eval_shape(plain, args, kwargs)
+        own = _shapes_of(plain, args, kwargs)
     except (TypeError, ValueError) as error:
         args, kwargs = _widened((args, kwargs))
         try:
-            own = jax.eval_shape(plain, args, kwargs)
+            own = _shapes_of(plain, args, kwargs)
         except Exception:
             error.add_note(
                 "with_policy was running the model's own init (also with its floating "
@@ -870,7 +891,7 @@ def _own_draws(target: Callable, entry: str, call: tuple[Any, tuple, dict], made
         for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(made))
     ):
         return made  # The same draws.
-    return plain(args, kwargs)
+    return plain(*args, **kwargs)
 
 
 def _shapes_by_path(params: Any) -> list[tuple[str, tuple[int, ...]]]:

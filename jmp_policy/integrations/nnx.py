@@ -19,6 +19,7 @@ traces again for a module under another policy (no stale trace).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import types
@@ -31,8 +32,8 @@ import numpy as np
 from flax import nnx
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.autocast import matmul_rules
-from jmp_policy.core.interpreter import flow_recording_runner
+from jmp_policy.core.autocast import policy_products, product_rules
+from jmp_policy.core.interpreter import flow_recording_runner, product_scope
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
 from jmp_policy.core.policy import Policy, get_policy
@@ -65,11 +66,18 @@ def _norm_policy(policy: Policy) -> Policy:
 
 
 def _configure(module: nnx.Module, policy: Policy) -> None:
-    """Sets `module`'s dtype attributes (and matmul products) to `policy`'s."""
-    for name, value in casting.attribute_overrides(module, policy).items():
-        setattr(module, name, value)
-    for name, value in casting.matmul_overrides(module, policy).items():
-        setattr(module, name, value)
+    """Sets `module`'s dtype attributes (and matmul products) to `policy`'s.
+
+    Only attributes the module holds itself: a wrapper that forwards others
+    (`nnx.bridge.ToNNX` reads its linen module's) is left as it is.
+    """
+    overrides = {
+        **casting.attribute_overrides(module, policy),
+        **casting.matmul_overrides(module, policy),
+    }
+    for name, value in overrides.items():
+        if name in vars(module):
+            setattr(module, name, value)
 
 
 def _path_str(path: PathParts) -> str:
@@ -210,6 +218,12 @@ def _with_policy(
         if isinstance(sub, _NORMS) and path not in named and not casting.keeps_its_dtypes(sub)
     }
     modules = dict(nnx.iter_modules(mixed))
+    # What each module computes itself (float32 statistics stay so; the
+    # modules it wraps take their own policies).
+    policies = {
+        path: p if path in named else casting.own_policy(modules[path], p)
+        for path, p in policies.items()
+    }
     for path, sub in modules.items():
         if casting.keeps_its_dtypes(sub):
             continue  # Complex parameters are left alone by `cast_to_param` too.
@@ -297,13 +311,16 @@ class PolicyModule(nnx.Module):
     the inputs (a diffusion model's timestep embedding) keeps their
     precision. Only where a rule names the module are its floating arguments
     cast to the rule's compute dtype, except those `keep_inputs` names;
-    integers, booleans and complex arrays never are. Where one matmul dtype
-    holds for the whole model, the call is rewritten at the level of
-    operations (`matmuls_in`), so every product takes it (`@` and
-    `jnp.einsum` in model code, attention); with a rule that changes it,
-    only NNX's layers do. Its norms follow the dtype promotion in force at
-    each call (float32 under strict, see `with_policy`), set on the copy the
-    traced call works on. Its state is the module's under the prefix
+    integers, booleans and complex arrays never are. Its products are
+    decided at the level of operations (`matmuls_in`), whatever the layers'
+    fields say: a product whose operands are wider than its module's compute
+    dtype takes them in it (a rotary embedding keeping `fprop_dtype`, a linen
+    layer behind `nnx.bridge.ToNNX`), and a matmul dtype every product (`@`
+    and `jnp.einsum` in model code, attention). A module a rule gives other
+    dtypes than its parent's traces its methods' products in a
+    `product_scope`. Its norms follow the dtype promotion in force at each
+    call (float32 under strict, see `with_policy`). Both are set on the copy
+    the traced call merges. Its state is the module's under the prefix
     `module`; call other methods through `.module`.
 
     Under `nnx.scan` the loop carry must keep its dtype: a rule that puts a
@@ -364,13 +381,17 @@ class PolicyModule(nnx.Module):
         root = self.module
         casts = casting.casts_inputs(root, () in named)
         self.input_policy = policies[()] if casts else None
-        # Every product takes the matmul dtype through the op-level rewrite of
-        # the call, where one matmul dtype holds for the whole model (NNX has
-        # no interceptors to mark a module that a rule keeps out).
-        matmuls = {(p.matmul_dtype, p.fp8_scaling) for p in policies.values()}
-        self.rewrite_matmul = next(iter(matmuls)) if len(matmuls) == 1 else None
-        if self.rewrite_matmul is not None and self.rewrite_matmul[0] is None:
-            self.rewrite_matmul = None
+        # Every product is decided by the op-level rewrite of the call; the
+        # modules whose products a rule decides otherwise than their parent's
+        # run their methods in a `product_scope` (see `_CallPlan`).
+        self._rules = product_rules(policies[()])
+        self._scoped = tuple(
+            (path, policy_products(policies[path]))
+            for path in sorted(policies, key=_path_str)
+            if path
+            and policy_products(policies[path])
+            != policy_products(policies[_nearest_prefix(path, policies)])
+        )
         self.keep_inputs = input_names(keep_inputs)
         self._positional = _positional_names(type(root).__call__, self.keep_inputs)
         # Modules a rule puts in another compute dtype than their parent's: the
@@ -391,14 +412,11 @@ class PolicyModule(nnx.Module):
         return key in self.keep_inputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        rules = None if self.rewrite_matmul is None else matmul_rules(*self.rewrite_matmul)
-        run, flows = flow_recording_runner(rules)
+        run, flows = flow_recording_runner(self._rules)
         try:
             # Inputs cast inside the traced program: what comes back from one is seen to.
-            call = functools.partial(
-                _call_with_inputs_cast, self.input_policy, self._keep, self._norms
-            )
-            out = autocast_with_state(run, call, (self.module, *args), kwargs)
+            plan = _CallPlan(self.input_policy, self._keep, self._norms, self._scoped)
+            out = autocast_with_state(run, plan, (self.module, *args), kwargs)
         except TypeError as e:
             if not (jax_internals.is_loop_carry_type_change(e) and self._switched):
                 raise
@@ -413,27 +431,62 @@ class PolicyModule(nnx.Module):
         return cast_results(out, flow, self.policy.cast_to_output, returns_state=self.returns_state)
 
 
-def _call_with_inputs_cast(
-    policy: Policy | None,
-    keep: Callable,
-    norms: tuple[tuple[PathParts, Policy], ...],
-    module: nnx.Module,
-    *args: Any,
-    **kwargs: Any,
-) -> Any:
-    """`module(*args, **kwargs)`, the arguments not kept cast to `policy`'s compute dtype.
+@dataclasses.dataclass(frozen=True)
+class _CallPlan:
+    """A `PolicyModule` call of its module, on the copy the traced call merges.
 
-    `module` is the copy the traced call merged, so its norms are configured
-    for the promotion in force now, and the caller's module is left as it is.
+    So what it sets there (the norms' dtypes for the promotion in force now,
+    the product scopes) is gone with the trace, and the caller's module is
+    left as it is.
     """
-    if norms:
-        modules = dict(nnx.iter_modules(module))
-        for path, norm_policy in norms:
+
+    input_policy: Policy | None  # Casts the inputs not kept, where a rule names the model.
+    keep: Callable[[int | str], bool]
+    norms: tuple[tuple[PathParts, Policy], ...]
+    scoped: tuple[tuple[PathParts, tuple], ...]  # (path, its `policy_products`)
+
+    def __call__(self, module: nnx.Module, *args: Any, **kwargs: Any) -> Any:
+        modules = dict(nnx.iter_modules(module)) if self.norms or self.scoped else {}
+        for path, norm_policy in self.norms:
             _configure(modules[path], _norm_policy(norm_policy))
-    if policy is not None:
-        args = tuple(a if keep(i) else policy.cast_to_compute(a) for i, a in enumerate(args))
-        kwargs = {k: v if keep(k) else policy.cast_to_compute(v) for k, v in kwargs.items()}
-    return module(*args, **kwargs)
+        for path, products in self.scoped:
+            _run_in_product_scope(modules[path], products)
+        policy, keep = self.input_policy, self.keep
+        if policy is not None:
+            args = tuple(a if keep(i) else policy.cast_to_compute(a) for i, a in enumerate(args))
+            kwargs = {k: v if keep(k) else policy.cast_to_compute(v) for k, v in kwargs.items()}
+        return module(*args, **kwargs)
+
+
+# Methods every NNX module has (`train`, `sow`, ...): not a layer's own maths.
+_MODULE_METHODS = frozenset(dir(nnx.Module)) - {"__call__"}
+
+
+def _run_in_product_scope(module: nnx.Module, products: tuple) -> None:
+    """Makes `module`'s own methods trace their products in `product_scope(*products)`.
+
+    NNX has no method interceptors: the copy a traced call merged gets a
+    subclass of its own class whose methods open the scope and call the
+    class's (looked up at each call, never stale).
+    """
+    cls = type(module)
+
+    def scoped(name: str) -> Callable:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with product_scope(*products):
+                return getattr(super(subclass, self), name)(*args, **kwargs)
+
+        return method
+
+    names = [
+        n
+        for n in dir(cls)
+        if n not in _MODULE_METHODS
+        and (n == "__call__" or not n.startswith("_"))
+        and inspect.isfunction(getattr(cls, n, None))
+    ]
+    subclass = type(cls.__name__, (cls,), {n: scoped(n) for n in names})
+    module.__class__ = subclass
 
 
 def _positional_names(method: Callable, names: frozenset[str]) -> tuple[str, ...]:

@@ -2,7 +2,8 @@
 
 Both are common in LLM code (T5's and Llama's RMSNorm compute their
 statistics in float32; many LMs compute the output logits in float32).
-They have no `dtype` attribute: the user decided their precision.
+They have no `dtype` attribute: the hand config keeps them in float32; under a
+policy the operation decides, as for every product (a rule keeps them).
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def loss(apply, variables, batch, rng):
 
 
 # Float32Logits' matmul, forward and its two gradients, stays float32 where the
-# model is run as written; autocast's rule is torch.autocast's: every matmul
-# takes half operands, an explicit float32 one included.
-KEPT = {"mixed_bfloat16": 3, "mixed_float16": 3, "handwritten_bf16": 3, "autocast": 0}
+# model is run as written (its hand-written bf16 config); under a policy the
+# operation decides, in every front end, as torch.autocast does: every matmul
+# takes half operands, an explicit float32 one included (a rule,
+# `{Float32Logits: "f32"}`, keeps it: the matmul variants of test_zoo.py do).
+KEPT = {"handwritten_bf16": 3, "p=f32,c=bf16,o=f32,m=bf16": 3, "mixed_float8": 3}
 LINEN = [LinenSpec("f32_math", Model, data, loss, kept_f32=KEPT)]
