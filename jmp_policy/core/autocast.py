@@ -176,6 +176,7 @@ def matmul_rules(
     fp8_scaling: str = "tensor",
     *,
     scoped: bool = False,
+    scaled_scopes: bool = False,
     compute_dtype: Any = _F32,
 ) -> Rules:
     """The `Rules` of `matmuls_in`: every `dot_general` takes `matmul_dtype`'s
@@ -190,6 +191,7 @@ def matmul_rules(
         matmul_dtype=None if matmul_dtype is None else np.dtype(matmul_dtype),
         fp8_scaling=fp8_scaling,
         scoped=scoped,
+        scaled_scopes=scaled_scopes,
     )
 
 
@@ -199,12 +201,13 @@ def policy_products(policy: Policy) -> tuple[np.dtype, np.dtype | None, str]:
     return np.dtype(policy.compute_dtype), m, policy.fp8_scaling
 
 
-def product_rules(policy: Policy) -> Rules:
+def product_rules(policy: Policy, *, scaled_scopes: bool) -> Rules:
     """A front end's op-level rewrite under `policy`: every product takes its
     compute dtype (where its operands are wider) or its matmul dtype, except
-    inside a `product_scope` (a module a rule gives other ones)."""
+    inside a `product_scope` (a module a rule gives other ones; with
+    `scaled_scopes`, one may name an FP8 or FP4 matmul dtype)."""
     c, m, scaling = policy_products(policy)
-    return matmul_rules(m, scaling, scoped=True, compute_dtype=c)
+    return matmul_rules(m, scaling, scoped=True, scaled_scopes=scaled_scopes, compute_dtype=c)
 
 
 def matmuls_in(
@@ -232,7 +235,7 @@ def matmuls_in(
     (an array, a variable, a module's attribute) would stay as first traced.
     jmp_policy shares only Flax's own `dot_product_attention`.
     """
-    rules = matmul_rules(matmul_dtype, fp8_scaling, scoped=scoped)
+    rules = matmul_rules(matmul_dtype, fp8_scaling, scoped=scoped, scaled_scopes=scoped)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):

@@ -57,8 +57,10 @@ class Rules:
     # Under an FP8 or FP4 matmul dtype: its scaling ("tensor", "rowwise", "mxfp8", "nvfp4").
     fp8_scaling: str = "tensor"
     # Whether `product_scope` markers in a product's name stack choose its
-    # compute and matmul dtypes (the rules' own where there is none).
+    # compute and matmul dtypes (the rules' own where there is none), and
+    # whether one may name an FP8 or FP4 matmul dtype.
     scoped: bool = False
+    scaled_scopes: bool = False
 
     @property
     def only_products(self) -> bool:
@@ -330,19 +332,47 @@ def _contains(jaxpr: ji.Jaxpr, names: frozenset[str]) -> bool:
     return known[names]
 
 
+# Per program: the widest floating operand (in bytes) of a product in it, or
+# in one nested in it (0: none), and whether a `product_scope` marks a part of it.
+_PRODUCTS_IN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _products_in(jaxpr: ji.Jaxpr, half: frozenset[str]) -> tuple[int, bool]:
+    known = _PRODUCTS_IN.setdefault(jaxpr, {})
+    if half not in known:
+        widest, marked = 0, False
+        for e in jaxpr.eqns:
+            if e.primitive.name in half:
+                floats = [np.dtype(v.aval.dtype).itemsize for v in e.invars if is_float(v.aval)]  # type: ignore[attr-defined]
+                widest = max(widest, *floats, 0)
+                marked = marked or _SCOPE in ji.name_stack(e)
+            for j in ji.sub_jaxprs(e):
+                w, m = _products_in(j, half)
+                widest, marked = max(widest, w), marked or m
+        known[half] = (widest, marked)
+    return known[half]
+
+
+def _runs_as_traced(eqn: ji.JaxprEqn, rules: Rules) -> bool:
+    """Under `matmuls_in`, whether a call or loop is left as traced: no product
+    in it would change (none, or all in the compute dtype already, with no
+    matmul dtype and no scope inside). JAX's caches, keyed on the nested
+    program, then serve every layer. A custom_jvp's rule may hold products
+    its primal program does not show: it is always rewritten."""
+    if not rules.only_products or eqn.primitive is ji.custom_jvp_call_p:
+        return False
+    found = [_products_in(j, rules.half) for j in ji.sub_jaxprs(eqn)]
+    widest = max((w for w, _ in found), default=0)
+    if widest == 0:
+        return True
+    c, m, _ = _products_here(rules)
+    return m is None and widest <= c.itemsize and not any(marked for _, marked in found)
+
+
 def _apply(eqn, invals, rules):
     prim, name = eqn.primitive, eqn.primitive.name
     nested = prim in _HIGHER_ORDER or ji.is_shard_map(eqn)
-    if (
-        nested
-        and rules.only_products
-        and prim is not ji.custom_jvp_call_p
-        and not any(_contains(j, rules.half) for j in ji.sub_jaxprs(eqn))
-    ):
-        # Under `matmuls_in`, a call or loop with no product in it runs as
-        # traced: rewriting would change nothing, and JAX's caches (keyed on
-        # the nested program) then serve every layer. A custom_jvp's rule may
-        # hold products its primal program does not show: it is rewritten.
+    if nested and _runs_as_traced(eqn, rules):
         return ji.bind(eqn, _as_original(eqn, invals))
     if prim in _HIGHER_ORDER:
         return _HIGHER_ORDER[prim](eqn, invals, rules)
@@ -379,8 +409,9 @@ def _apply(eqn, invals, rules):
 
 
 def may_scale(rules: Rules) -> bool:
-    """Whether products under `rules` may be FP8 or FP4 (a scope may say so)."""
-    return rules.scoped or rules.matmul_dtype in SCALED_MATMUL_DTYPES
+    """Whether products under `rules` may be FP8 or FP4 (a scope may say so):
+    only then are the derivatives their values are traced under probed."""
+    return rules.scaled_scopes or rules.matmul_dtype in SCALED_MATMUL_DTYPES
 
 
 def trace_and_eval(fn: Callable, args: Any, rules: Rules | None, *, flow: bool = False) -> Any:

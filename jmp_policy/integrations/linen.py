@@ -575,7 +575,7 @@ def with_policy(
     scaled = any(m in SCALED_MATMUL_DTYPES for m in matmul_dtypes)
     target, bound_args, bound_kwargs = _unwrap_partial(fn)
     entry = _linen_entry(target)
-    op_rules = product_rules(policy)
+    op_rules = product_rules(policy, scaled_scopes=scaled)
 
     def to_output(out: Any, flow: Flow) -> Any:
         return cast_results(out, flow, policy.cast_to_output, returns_state=returns_state)
@@ -805,7 +805,7 @@ def _plain_function(
 ) -> Callable:
     """`with_policy` of a function that is not a linen entry point (a `lambda` around apply)."""
     keep = _keeper(fn, keep_inputs)
-    op_rules = product_rules(policy)
+    op_rules = product_rules(policy, scaled_scopes=scaled)
 
     def call_fn(args: tuple, kwargs: dict) -> Any:
         # The function's floating arguments are its inputs, except Flax

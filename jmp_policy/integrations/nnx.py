@@ -33,6 +33,7 @@ from flax import nnx
 
 from jmp_policy.core import jax_internals
 from jmp_policy.core.autocast import policy_products, product_rules
+from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES
 from jmp_policy.core.interpreter import flow_recording_runner, product_scope
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
@@ -384,7 +385,8 @@ class PolicyModule(nnx.Module):
         # Every product is decided by the op-level rewrite of the call; the
         # modules whose products a rule decides otherwise than their parent's
         # run their methods in a `product_scope` (see `_CallPlan`).
-        self._rules = product_rules(policies[()])
+        scaled = any(p.matmul_dtype in SCALED_MATMUL_DTYPES for p in policies.values())
+        self._rules = product_rules(policies[()], scaled_scopes=scaled)
         self._scoped = tuple(
             (path, policy_products(policies[path]))
             for path in sorted(policies, key=_path_str)
