@@ -226,6 +226,12 @@ def test_rules_by_path_reach_the_engine_in_linen_and_nnx(rules):
     want = [("bfloat16", "bfloat16")] * 3 + [("float32", "float32")]  # q, k, scores; head.
     for fn in (lambda x: apply(variables, x), lambda x: nnx_model(x)):
         assert sorted(tuple(d.name for d in ds) for ds in products(fn, X)) == sorted(want)
+    # The scopes are set on the copy each call traces, by one subclass per
+    # class and products, not one per call.
+    made = len(nnx.Linear.__subclasses__())
+    for _ in range(3):
+        nnx_model(X)
+    assert len(nnx.Linear.__subclasses__()) == made
 
 
 class LinenSpectral(nn.Module):

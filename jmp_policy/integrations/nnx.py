@@ -471,7 +471,16 @@ def _run_in_product_scope(module: nnx.Module, products: tuple) -> None:
     subclass of its own class whose methods open the scope and call the
     class's (looked up at each call, never stale).
     """
-    cls = type(module)
+    module.__class__ = _scoped_class(type(module), products)
+
+
+# One scoped subclass per class and products: made once, not at every call.
+_SCOPED_CLASSES: dict[tuple[type, tuple], type] = {}
+
+
+def _scoped_class(cls: type, products: tuple) -> type:
+    if (cls, products) in _SCOPED_CLASSES:
+        return _SCOPED_CLASSES[cls, products]
 
     def scoped(name: str) -> Callable:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -488,7 +497,8 @@ def _run_in_product_scope(module: nnx.Module, products: tuple) -> None:
         and inspect.isfunction(getattr(cls, n, None))
     ]
     subclass = type(cls.__name__, (cls,), {n: scoped(n) for n in names})
-    module.__class__ = subclass
+    _SCOPED_CLASSES[cls, products] = subclass
+    return subclass
 
 
 def _positional_names(method: Callable, names: frozenset[str]) -> tuple[str, ...]:
