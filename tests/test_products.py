@@ -309,3 +309,33 @@ def test_rules_by_path_reach_through_the_bridges():
         ("float32", "float32"),
         ("bfloat16", "bfloat16"),
     ]
+
+
+class JitsItsProduct(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(1.0), (8, 8)).astype(x.dtype)
+        return jax.jit(jnp.matmul)(x, w)
+
+
+class RematBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return JitsItsProduct(name="inner")(nn.Dense(8)(x).astype(jnp.bfloat16))
+
+
+@standard_promotion
+def test_a_scope_around_a_nested_call_reaches_its_products():
+    # The rule's matmul dtype marks `inner`'s jitted product from outside the
+    # jit; the rematerialised block around it must not run as traced.
+    model = nn.remat(RematBlock)()
+    variables = model.init(jax.random.key(0), X)
+    apply = jmp.with_policy(
+        model.apply, "mixed_bfloat16", rules={"*inner": "p=f32,c=bf16,o=f32,m=bf16"}
+    )
+    ops = contractions(jax.jit(apply).lower(variables, X).as_text())
+    # The Dense's product as written; inner's with float32 accumulation.
+    assert [(op.operand_types, op.result_types) for op in ops] == [
+        (("bf16", "bf16"), ("bf16",)),
+        (("bf16", "bf16"), ("f32",)),
+    ]

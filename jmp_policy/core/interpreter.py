@@ -342,11 +342,13 @@ def _products_in(jaxpr: ji.Jaxpr, half: frozenset[str]) -> tuple[int, bool]:
     if half not in known:
         widest, marked = 0, False
         for e in jaxpr.eqns:
+            nested = list(ji.sub_jaxprs(e))
             if e.primitive.name in half:
                 floats = [np.dtype(v.aval.dtype).itemsize for v in e.invars if is_float(v.aval)]  # type: ignore[attr-defined]
                 widest = max(widest, *floats, 0)
+            if e.primitive.name in half or nested:
                 marked = marked or _SCOPE in ji.name_stack(e)
-            for j in ji.sub_jaxprs(e):
+            for j in nested:
                 w, m = _products_in(j, half)
                 widest, marked = max(widest, w), marked or m
         known[half] = (widest, marked)
