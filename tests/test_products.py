@@ -339,3 +339,25 @@ def test_a_scope_around_a_nested_call_reaches_its_products():
         (("bf16", "bf16"), ("bf16",)),
         (("bf16", "bf16"), ("f32",)),
     ]
+
+
+@jax.custom_jvp
+def _scaled(x, w):
+    return x * w.sum()
+
+
+@_scaled.defjvp
+def _scaled_jvp(primals, tangents):
+    (x, w), (tx, _) = primals, tangents
+    return _scaled(x, w), tx @ w  # A product only its rule shows.
+
+
+def test_a_call_holding_a_custom_jvp_is_rewritten_for_the_products_of_its_rule():
+    # A call whose program shows no product may still hold one in a
+    # custom_jvp's rule: it must not be left as traced.
+    from jmp_policy.core.autocast import matmuls_in
+
+    h = matmuls_in(jax.jit(_scaled), jnp.bfloat16)
+    w = jnp.ones((8, 8))
+    tangent = lambda x, w: jax.jvp(h, (x, w), (x, w))[1]  # noqa: E731
+    assert products(tangent, X, w) == [(BF16, BF16)]

@@ -177,7 +177,7 @@ def _custom_vjp_rule(eqn, invals, rules):
     if (
         (file is not None and os.path.abspath(file) in _OWN_PRODUCTS)
         or not all(is_float(a) for a in (*program.in_avals, *program.out_avals))
-        or not _contains(program.jaxpr, rules.half)
+        or _products_in(program.jaxpr, rules.half) == (0, False)
     ):
         return ji.bind(eqn, args)  # Decided, integer-valued, or nothing to rewrite.
     out_dtypes = [o.dtype for o in program.out_avals]
@@ -316,59 +316,48 @@ def _accumulating(eqn, product, lhs, rhs, compute_dtype, out_dtype):
     return accumulating_product(product, lhs, rhs, compute_dtype, out_dtype)
 
 
-# Whether a program (or one nested in it) has an equation of the given primitives.
-_CONTAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _contains(jaxpr: ji.Jaxpr, names: frozenset[str]) -> bool:
-    """Whether `jaxpr` may run one of `names` (a `custom_jvp` may, in its rule)."""
-    names = names | {"custom_jvp_call"}
-    known = _CONTAINS.setdefault(jaxpr, {})
-    if names not in known:
-        known[names] = any(
-            e.primitive.name in names or any(_contains(j, names) for j in ji.sub_jaxprs(e))
-            for e in jaxpr.eqns
-        )
-    return known[names]
-
-
-# Per program: the widest floating operand (in bytes) of a product in it, or
-# in one nested in it (0: none), and whether a `product_scope` marks a part of it.
+# Per program: the widest floating operand (in bytes) of a product in it or in
+# one nested in it (0: none), and whether it must be rewritten whatever its
+# products are: a `product_scope` marks a part of it, or a `custom_jvp` in it
+# may hold products in its rule that its program does not show.
 _PRODUCTS_IN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _products_in(jaxpr: ji.Jaxpr, half: frozenset[str]) -> tuple[int, bool]:
     known = _PRODUCTS_IN.setdefault(jaxpr, {})
     if half not in known:
-        widest, marked = 0, False
+        widest, opaque = 0, False
         for e in jaxpr.eqns:
             nested = list(ji.sub_jaxprs(e))
             if e.primitive.name in half:
                 floats = [np.dtype(v.aval.dtype).itemsize for v in e.invars if is_float(v.aval)]  # type: ignore[attr-defined]
                 widest = max(widest, *floats, 0)
-            if e.primitive.name in half or nested:
-                marked = marked or _SCOPE in ji.name_stack(e)
+            if e.primitive is ji.custom_jvp_call_p:
+                opaque = True
+            elif e.primitive.name in half or nested:
+                opaque = opaque or _SCOPE in ji.name_stack(e)
             for j in nested:
-                w, m = _products_in(j, half)
-                widest, marked = max(widest, w), marked or m
-        known[half] = (widest, marked)
+                w, o = _products_in(j, half)
+                widest, opaque = max(widest, w), opaque or o
+        known[half] = (widest, opaque)
     return known[half]
 
 
 def _runs_as_traced(eqn: ji.JaxprEqn, rules: Rules) -> bool:
     """Under `matmuls_in`, whether a call or loop is left as traced: no product
     in it would change (none, or all in the compute dtype already, with no
-    matmul dtype and no scope inside). JAX's caches, keyed on the nested
-    program, then serve every layer. A custom_jvp's rule may hold products
-    its primal program does not show: it is always rewritten."""
+    matmul dtype), and nothing in it must be rewritten (see `_products_in`).
+    JAX's caches, keyed on the nested program, then serve every layer."""
     if not rules.only_products or eqn.primitive is ji.custom_jvp_call_p:
         return False
     found = [_products_in(j, rules.half) for j in ji.sub_jaxprs(eqn)]
+    if any(opaque for _, opaque in found):
+        return False
     widest = max((w for w, _ in found), default=0)
     if widest == 0:
         return True
     c, m, _ = _products_here(rules)
-    return m is None and widest <= c.itemsize and not any(marked for _, marked in found)
+    return m is None and widest <= c.itemsize
 
 
 def _apply(eqn, invals, rules):

@@ -698,9 +698,13 @@ def _without_callers_interceptors() -> Iterator[None]:
             stack.push(interceptor)
 
 
-def _dtypes_by_path(params: Any) -> dict[str, Any]:
+def _by_path(params: Any) -> dict[str, Any]:
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    return {jax.tree_util.keystr(path): x.dtype for path, x in flat}
+    return {jax.tree_util.keystr(path): x for path, x in flat}
+
+
+def _dtypes_by_path(params: Any) -> dict[str, Any]:
+    return {path: x.dtype for path, x in _by_path(params).items()}
 
 
 def _read_in(params: Any, dtypes: dict[str, Any]) -> Any:
@@ -880,23 +884,16 @@ def _own_draws(target: Callable, entry: str, call: tuple[Any, tuple, dict], made
                 "arguments in float32) to draw its parameters as it does."
             )
             raise error from None
-    if _shapes_by_path(own) != _shapes_by_path(made):
+    own_leaves, made_leaves = _by_path(own), _by_path(made)
+    if {k: x.shape for k, x in own_leaves.items()} != {k: x.shape for k, x in made_leaves.items()}:
         raise ValueError(
             "with_policy: the model makes other parameters under the policy than its own "
             "init does (a shape or structure that follows a dtype), so its own draws "
             "cannot stand in for the policy's."
         )
-    if all(
-        np.dtype(b.dtype).itemsize >= np.dtype(a.dtype).itemsize
-        for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(made))
-    ):
+    if all(made_leaves[k].dtype.itemsize >= x.dtype.itemsize for k, x in own_leaves.items()):
         return made  # The same draws.
     return plain(*args, **kwargs)
-
-
-def _shapes_by_path(params: Any) -> list[tuple[str, tuple[int, ...]]]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    return [(jax.tree_util.keystr(path), np.shape(x)) for path, x in flat]
 
 
 def _widened(tree: Any) -> Any:
