@@ -361,3 +361,26 @@ def test_a_call_holding_a_custom_jvp_is_rewritten_for_the_products_of_its_rule()
     w = jnp.ones((8, 8))
     tangent = lambda x, w: jax.jvp(h, (x, w), (x, w))[1]  # noqa: E731
     assert products(tangent, X, w) == [(BF16, BF16)]
+
+
+class _Head(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (8, 4)))
+
+    def _logits(self, x):
+        return x @ self.w[...]
+
+
+class _CallsAHelper(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.body = nnx.Linear(8, 8, rngs=rngs)
+        self.head = _Head(rngs)
+
+    def __call__(self, x):
+        return self.head._logits(self.body(x).astype(jnp.float32))
+
+
+def test_a_rule_reaches_an_nnx_modules_helper_its_parent_calls():
+    model = jnnx.PolicyModule(_CallsAHelper(nnx.Rngs(0)), "mixed_bfloat16", rules={"head": "f32"})
+    names = [tuple(d.name for d in ds) for ds in products(lambda x: model(x), X)]
+    assert names == [("bfloat16", "bfloat16"), ("float32", "float32")]

@@ -493,7 +493,7 @@ def _scoped_class(cls: type, products: tuple) -> type:
         n
         for n in dir(cls)
         if n not in _MODULE_METHODS
-        and (n == "__call__" or not n.startswith("_"))
+        and (n == "__call__" or not n.startswith("__"))
         and inspect.isfunction(getattr(cls, n, None))
     ]
     subclass = type(cls.__name__, (cls,), {n: scoped(n) for n in names})
