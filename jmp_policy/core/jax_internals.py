@@ -8,7 +8,7 @@ releases, and the equation attributes used here (`eqn.params` keys such as
 `_dot_general=`, the texts of four JAX errors, the trace a loop body is
 traced in (`DebugInfo.traced_for`). Everything of that kind is in
 this module, so that a JAX upgrade breaks here first and is fixed here once.
-Each internal has a probe in `jax_probes` (run by the test suite) that fails
+Each internal has a probe in the test suite (`tests/jax_probes.py`) that fails
 with `JaxChanged`, naming the installed JAX, when JAX changes it; a read that
 finds an internal gone raises `JaxChanged` too, never a wrong result. Checked
 against jax and jaxlib 0.10.2 and 0.12.0.1.

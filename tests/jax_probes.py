@@ -1,4 +1,4 @@
-"""Probes of the JAX internals `jax_internals` reads: one each, run by the test suite.
+"""Probes of the JAX internals `jax_internals` reads: one each, run by `test_jax_internals.py`.
 
 Each builds a small program with the installed JAX and reads it through
 `jax_internals`; it raises `JaxChanged`, naming that JAX, where the internal
