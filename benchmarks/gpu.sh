@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU measurement in one command, under 8 minutes, compile included:
 # the Transformer LM train step sized for an H100/H200
-# (jmp_policy/app/benchmarks/gpu_transformer.py) in every precision variant.
+# (benchmarks/gpu_transformer.py) in every precision variant.
 #
 #   benchmarks/gpu.sh                                   # from anywhere; no installs
 #   OUT=/some/dir benchmarks/gpu.sh                     # log + JSON there (else ./results)
@@ -23,9 +23,9 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 if [ "${1:-}" = --compile-only ]; then
     shift
     [ -d .venv/cuda-plugin ] && PYTHONPATH="$PYTHONPATH:$PWD/.venv/cuda-plugin"
-    exec "$PY" -m jmp_policy.app.benchmarks.gpu_compile --require-cuda-plugin "$@"
+    exec "$PY" benchmarks/gpu_compile.py --require-cuda-plugin "$@"
 fi
 if command -v timeout >/dev/null; then
-    exec timeout --kill-after=5 475 "$PY" -m jmp_policy.app.benchmarks.gpu_transformer "$@"
+    exec timeout --kill-after=5 475 "$PY" benchmarks/gpu_transformer.py "$@"
 fi
-exec "$PY" -m jmp_policy.app.benchmarks.gpu_transformer "$@"
+exec "$PY" benchmarks/gpu_transformer.py "$@"

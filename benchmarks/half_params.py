@@ -40,6 +40,7 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -68,13 +69,14 @@ RUNS = (
 REFERENCE = "mixed_bfloat16"
 
 
-def load_example():
+def load_example() -> ModuleType:
     """Imports `examples/transformer_lm.py` (not a package) as `transformer_lm`."""
     name = "transformer_lm"
     module = sys.modules.get(name)
     if module is not None and Path(getattr(module, "__file__", "")).resolve() == EXAMPLE:
         return module
     spec = importlib.util.spec_from_file_location(name, EXAMPLE)
+    assert spec is not None and spec.loader is not None, EXAMPLE
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # linen modules are dataclasses: they look it up
     spec.loader.exec_module(module)
@@ -102,7 +104,7 @@ def recipes() -> list[tuple[str, Any, optax.GradientTransformation]]:
     ]
 
 
-def state_bytes(params, tx) -> tuple[float, int]:
+def state_bytes(params: Any, tx: optax.GradientTransformation) -> tuple[float, int]:
     """(bytes per parameter of params + state, fixed bytes of the state's scalars)."""
     n = sum(p.size for p in jax.tree.leaves(params))
     shapes = jax.eval_shape(tx.init, params)
@@ -118,7 +120,7 @@ def state_bytes(params, tx) -> tuple[float, int]:
     return total / n, fixed
 
 
-def memory_table(example) -> dict[str, float]:
+def memory_table(example: ModuleType) -> dict[str, float]:
     _, _, vocab = example.make_data(1)
     params32 = example.init_params(example.make_model(vocab), "f32")
     n = sum(p.size for p in jax.tree.leaves(params32))
@@ -140,7 +142,7 @@ def memory_table(example) -> dict[str, float]:
     return result
 
 
-def learning_table(example, steps: int, seed: int) -> dict[str, dict[str, float]]:
+def learning_table(example: ModuleType, steps: int, seed: int) -> dict[str, dict[str, float]]:
     print(
         f"\n2. examples/transformer_lm.py, Adam at learning rate {LEARNING_RATE:g}, {steps} steps"
     )

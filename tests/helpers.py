@@ -187,7 +187,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def load_script(relative_path: str, name: str) -> types.ModuleType:
-    """Imports a script of the checkout (`examples/...`, `benchmarks/...`) as `name`, once."""
+    """Imports a script of the checkout (`examples/...`) as `name`, once."""
     path = ROOT / relative_path
     module = sys.modules.get(name)
     if module is not None and pathlib.Path(getattr(module, "__file__", "")).resolve() == path:
@@ -197,6 +197,19 @@ def load_script(relative_path: str, name: str) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # linen modules are dataclasses: they look it up
     spec.loader.exec_module(module)
+    return module
+
+
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def import_benchmark(name: str) -> types.ModuleType:
+    """Imports `benchmarks/<name>.py` as its sibling scripts do (`import name`): run as
+    `python benchmarks/x.py`, a script has `benchmarks/` on `sys.path`."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
+    module = importlib.import_module(name)
+    assert pathlib.Path(module.__file__ or "").parent == BENCHMARKS, module  # not a namesake
     return module
 
 

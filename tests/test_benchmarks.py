@@ -1,4 +1,4 @@
-"""The benchmarks shipped in `jmp_policy.app.benchmarks`, run as tests.
+"""The benchmarks of `benchmarks/`, run as tests.
 
 `transformer --no-time`: the bytes saved for the backward pass of the
 Transformer's loss under `with_policy(mixed_bfloat16)` are at most its
@@ -6,21 +6,28 @@ Transformer's loss under `with_policy(mixed_bfloat16)` are at most its
 step takes half operands in the half variants, and produces float32 in the
 float32-accumulating ones (`autocast`, `half_dot_general`). Its model is the
 example's: the same parameters and losses.
+
+Every script starts as a user starts it (`python benchmarks/NAME.py`); the
+quick runs of those not run in this process run so too.
 """
 
 import contextlib
 import io
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from jmp_policy.app.benchmarks import _transformer_lm, transformer
+from jmp_policy.app import transformer_lm
 
-from helpers import load_script
+from helpers import BENCHMARKS, import_benchmark, load_script
 
 ROOT = Path(__file__).resolve().parent.parent
+transformer = import_benchmark("transformer")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -96,24 +103,24 @@ def test_mixed_float8_every_train_step_matmul_fp8(transformer_benchmark):
 
 
 def test_the_benchmark_model_is_the_example_model():
-    # The benchmark carries its own copy of the example's model (a wheel has
-    # no examples/); with its extra fields left at None it is the same model:
-    # the same parameters and the same loss on the same batch.
+    # The package carries its own copy of the example's model (for `doctor
+    # --fp8 transformer`: a wheel has no examples/); with its extra fields left
+    # at None it is the same model: the same parameters and the same loss.
     example = load_script("examples/transformer_lm.py", "transformer_lm")
     batches, _, vocab_size = example.make_data(1)
-    ours_batches, _, ours_vocab = _transformer_lm.make_data(1)
+    ours_batches, _, ours_vocab = transformer_lm.make_data(1)
     np.testing.assert_array_equal(batches, ours_batches)
     assert vocab_size == ours_vocab
     theirs = example.init_params(example.make_model(vocab_size), "float32")
-    ours = _transformer_lm.init_params(_transformer_lm.make_model(vocab_size), "float32")
+    ours = transformer_lm.init_params(transformer_lm.make_model(vocab_size), "float32")
     assert jax.tree.structure(theirs) == jax.tree.structure(ours)
     for a, b in zip(jax.tree.leaves(theirs), jax.tree.leaves(ours)):
         np.testing.assert_array_equal(a, b)
     apply_theirs = example.make_model(vocab_size).apply
-    apply_ours = _transformer_lm.make_model(vocab_size).apply
+    apply_ours = transformer_lm.make_model(vocab_size).apply
     np.testing.assert_array_equal(
         example.loss_fn(apply_theirs, theirs, batches[0]),
-        _transformer_lm.loss_fn(apply_ours, ours, batches[0]),
+        transformer_lm.loss_fn(apply_ours, ours, batches[0]),
     )
 
 
@@ -124,7 +131,7 @@ def test_cpu_dot_benchmark_compares_the_cpu_form_with_the_dot_as_written():
     import jax
     import numpy as np
 
-    from jmp_policy.app.benchmarks import cpu_dot
+    cpu_dot = import_benchmark("cpu_dot")
 
     cases = cpu_dot.cases(quick=True)
     assert list(cases) == [
@@ -144,7 +151,7 @@ def test_cpu_dot_benchmark_compares_the_cpu_form_with_the_dot_as_written():
 @pytest.fixture(scope="module")
 def fp8_table():
     """`fp8 --quick` with an uninstalled peer added: `({variant: {row: cell}}, text)`."""
-    from jmp_policy.app.benchmarks import fp8
+    fp8 = import_benchmark("fp8")
 
     absent = fp8.Variant("absent peer", "no-such-distribution-jmp-policy", fp8._flax)
     with pytest.MonkeyPatch.context() as mp:
@@ -233,7 +240,7 @@ def test_fp8_benchmark_peers_when_installed_and_skips_a_missing_one(fp8_table):
 
 @pytest.mark.slow
 def test_lowering_benchmark_prints_each_variant_against_flax_by_hand():
-    from jmp_policy.app.benchmarks import lowering
+    lowering = import_benchmark("lowering")
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -247,3 +254,47 @@ def test_lowering_benchmark_prints_each_variant_against_flax_by_hand():
     assert set(rows) == set(lowering.TARGETS), out.getvalue()
     assert all(ratio > 0 for ratio, _ in rows.values())
     assert "flax dtype=bf16" in out.getvalue() and "= 1.00" in out.getvalue()
+
+
+# --- each script, as a user runs it ------------------------------------------------
+
+
+@pytest.mark.slow
+def test_every_benchmark_script_starts_and_the_others_run_quick():
+    # Every script's imports and arguments: `--help`, all in one process
+    # (JAX imported once), each with `benchmarks/` first on sys.path as
+    # `python benchmarks/NAME.py` has it.
+    code = (
+        "import contextlib, io, json, runpy, sys\n"
+        "out = {}\n"
+        "for path in sys.argv[1:]:\n"
+        "    sys.argv, sys.path[0], text = [path, '--help'], 'benchmarks', io.StringIO()\n"
+        "    with contextlib.redirect_stdout(text):\n"
+        "        try:\n"
+        "            runpy.run_path(path, run_name='__main__')\n"
+        "        except SystemExit as e:\n"
+        "            out[path] = [e.code, text.getvalue()]\n"
+        "print(json.dumps(out))\n"
+    )
+    scripts = sorted(str(p.relative_to(ROOT)) for p in BENCHMARKS.glob("[!_]*.py"))
+    assert "benchmarks/gpu_compile.py" in scripts and len(scripts) >= 8
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *scripts], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    helps = json.loads(proc.stdout)
+    assert sorted(helps) == scripts
+    for path, (status, text) in helps.items():
+        assert status in (0, None) and "usage:" in text, (path, status, text)
+    # The quick runs of those no other test runs.
+    for name in ("cpu_dot", "gpu_compile", "loss_scaling"):
+        proc = subprocess.run(
+            [sys.executable, f"benchmarks/{name}.py", "--quick"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, (name, proc.stdout + proc.stderr)
+        if name == "gpu_compile":
+            # No CUDA plugin on the path: it reads its targets, then says why not.
+            assert "gpu_compile: not run: compiling for a GPU needs the CUDA plugin" in proc.stdout

@@ -1,4 +1,4 @@
-"""The `jmp-policy` command: demo, doctor, bench, and errors for bad arguments.
+"""The `jmp-policy` command: demo, doctor, and errors for bad arguments.
 
 `jmp_policy.diagnose` itself is tested in `test_diagnostics.py`.
 """
@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from jmp_policy.app import bench, cli, demo
+from jmp_policy.app import cli, demo
 
 from helpers import assert_png
 
@@ -252,58 +252,21 @@ def test_doctor_command_on_the_demo_model(tmp_path, capsys):
     assert_png(png)
 
 
-# --- bench -----------------------------------------------------------------------
-
-
-def test_bench_runs_each_shipped_benchmark_with_quick(monkeypatch, capfd):
-    calls = []
-    monkeypatch.setattr(bench.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
-    assert cli.main(["bench", "--quick"]) == 0
-    names = bench.benchmark_names()
-    assert {"loss_scaling", "transformer"} <= set(names)
-    assert [c[2:] for c in calls] == [[f"jmp_policy.app.benchmarks.{n}", "--quick"] for n in names]
-    assert f"{len(names)} benchmark(s) ran" in capfd.readouterr().out
-
-
-def test_bench_only_takes_names_with_dashes(monkeypatch, capfd):
-    calls = []
-    monkeypatch.setattr(bench.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
-    assert cli.main(["bench", "--only", "gpu-compile", "--only", "cpu_dot"]) == 0
-    assert [c[2] for c in calls] == [
-        f"jmp_policy.app.benchmarks.{n}" for n in ("gpu_compile", "cpu_dot")
-    ]
-
-
-def test_bench_reports_a_failing_benchmark(monkeypatch, capfd):
-    monkeypatch.setattr(bench.subprocess, "call", lambda cmd: 4)
-    assert cli.main(["bench", "--only", "transformer"]) == 1
-    assert "transformer (exit 4)" in capfd.readouterr().err
-
-
-def test_bench_unknown_name(capsys):
-    rc = cli.main(["bench", "--only", "nope"])
-    err = capsys.readouterr().err
-    assert_one_line_error(rc, err)
-    assert "'nope'" in err and "transformer" in err
-
-
 @pytest.mark.parametrize(
     ("argv", "missing", "extra"),
     [
         (["demo", "--quick"], "flax", "flax"),
-        (["bench", "--quick"], "jmp", "bench"),
         (["demo", "--quick"], "sklearn", "demo"),
     ],
 )
 def test_a_missing_extra_is_named_with_its_pip_command(
     argv, missing, extra, monkeypatch, capsys, no_training, tmp_path
 ):
-    # A core-only install (`pip install jmp_policy`) has no Flax, no jmp, no scikit-learn.
+    # A core-only install (`pip install jmp_policy`) has no Flax, no scikit-learn.
     find_spec = cli.importlib.util.find_spec
     monkeypatch.setattr(
         cli.importlib.util, "find_spec", lambda name: None if name == missing else find_spec(name)
     )
-    monkeypatch.setattr(bench.subprocess, "call", lambda cmd: pytest.fail(f"ran {cmd}"))
     monkeypatch.chdir(tmp_path)
     rc = cli.main(argv)
     err = capsys.readouterr().err

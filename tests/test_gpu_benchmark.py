@@ -26,9 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from jmp_policy.app.benchmarks import gpu_transformer as bench
+from helpers import import_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
+bench = import_benchmark("gpu_transformer")
 SCRIPT = ROOT / "benchmarks" / "gpu.sh"
 
 
@@ -233,7 +234,7 @@ def test_the_check_sees_the_cpu_form_where_there_is_one():
     import jax
     import jax.numpy as jnp
 
-    from jmp_policy.app.benchmarks import _gpu_lowering
+    _gpu_lowering = import_benchmark("_gpu_lowering")
 
     cfg = bench.CONFIGS["tiny"]
     variant = next(v for v in bench.VARIANTS if v.policy == "p=f32,c=bf16,o=f32,m=bf16")
@@ -260,7 +261,7 @@ def test_readme_first_example_lowers_for_cuda_as_a_gpu_needs_it():
 
     import jax
 
-    from jmp_policy.app.benchmarks import _gpu_lowering
+    _gpu_lowering = import_benchmark("_gpu_lowering")
 
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, re.S)

@@ -21,8 +21,10 @@ from pathlib import Path
 import jaxlib
 import pytest
 
-from jmp_policy.app.benchmarks import _compiled_hlo, gpu_compile
+from helpers import import_benchmark
 
+_compiled_hlo = import_benchmark("_compiled_hlo")
+gpu_compile = import_benchmark("gpu_compile")
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = ROOT / ".venv" / "cuda-plugin"
 

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jmp_policy as jmp
 
-from helpers import load_script
+from helpers import import_benchmark, load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -541,7 +541,7 @@ def test_bad_input_raises_naming_the_argument():
 
 @pytest.mark.slow
 def test_benchmark_quick_mode_orders_the_runs_and_prints_the_bytes():
-    bench = load_script("benchmarks/half_params.py", "half_params_benchmark")
+    bench = import_benchmark("half_params")
     out = io.StringIO()
     with contextlib.redirect_stdout(out), jax.numpy_dtype_promotion("standard"):
         status, result = bench.main(["--quick"])

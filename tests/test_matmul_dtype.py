@@ -35,10 +35,10 @@ from jax import lax
 
 import jmp_policy as jmp
 import jmp_policy.nnx as jnnx
-from jmp_policy.app.benchmarks.transformer import make_train_step
+from jmp_policy.app import transformer_lm
 from jmp_policy.core.fp8 import E4M3_MAX, E5M2_MAX, fp8_scale
 
-from helpers import hlo_ops, load_script, lowered_ops
+from helpers import hlo_ops, import_benchmark, load_script, lowered_ops
 
 ROOT = Path(__file__).resolve().parent.parent
 F32 = np.dtype(np.float32)
@@ -162,7 +162,7 @@ def lm_setup(lm):
 
 def lowered_train_step(lm, apply, params, tx, opt_state, batch) -> str:
     """The example's README train step around `apply` (the benchmark's), jitted and lowered."""
-    step = make_train_step(lm, apply, tx)
+    step = import_benchmark("transformer").make_train_step(lm, apply, tx)
     return step.lower(params, opt_state, batch).as_text()
 
 
@@ -197,13 +197,11 @@ def test_transformer_mixed_float8_rule_keeps_head_in_bf16(lm, lm_setup):
 
 
 def test_hand_wired_dot_general_follows_the_policy(lm, lm_setup):
-    # The benchmark's f32acc model (its copy of the example's model, with
-    # half_dot_general wired in by hand): the policy's matmul dtype decides,
-    # as `dtype` does.
-    from jmp_policy.app.benchmarks import _transformer_lm
-
+    # The benchmark's f32acc model (the package's copy of the example's model,
+    # with half_dot_general wired in by hand): the policy's matmul dtype
+    # decides, as `dtype` does.
     model, params, tx, opt_state, batch = lm_setup
-    wired = _transformer_lm.make_model(model.vocab_size, dot_general=jmp.half_dot_general)
+    wired = transformer_lm.make_model(model.vocab_size, dot_general=jmp.half_dot_general)
     apply = jmp.with_policy(wired.apply, "mixed_float8")
     counts = dot_types(lowered_train_step(lm, apply, params, tx, opt_state, batch))
     assert assert_fp8(counts) == LM_FORWARD_DOTS

@@ -3,9 +3,11 @@
 * The core imports with jax, numpy and optax alone: a fresh interpreter that
   imports `jmp_policy` and runs a jitted mixed precision step has not loaded
   Flax, matplotlib, scikit-learn or tqdm.
+* The wheel holds the library and its command, not the repository's
+  benchmarks (`benchmarks/`) or the test suite's JAX probes.
 * The wheel, installed into a fresh virtual environment (no editable install,
   working directory outside the checkout), runs `jmp-policy demo --quick`,
-  `jmp-policy bench --quick` and `import jmp_policy`.
+  `jmp-policy doctor --fp8 transformer` and `import jmp_policy`.
 * Every public function and class is fully annotated.
 * A DeprecationWarning raised by jmp_policy's own code fails the tests (the
   `filterwarnings` setting of pyproject.toml); other packages' are shown.
@@ -135,9 +137,8 @@ def test_wheel_contents(wheel):
     # The installation guide's install command names this very file.
     assert f"dist/{wheel.name}[" in (ROOT / "docs" / "guides" / "getting_started.md").read_text()
     assert "jmp_policy/py.typed" in names
-    assert "jmp_policy/app/benchmarks/gpu_targets/h200_sxm.txtpb" in names
-    assert "jmp_policy/app/benchmarks/transformer.py" in names
-    assert "jmp_policy/app/benchmarks/_transformer_lm.py" in names
+    assert "jmp_policy/app/transformer_lm.py" in names  # `doctor --fp8 transformer`'s model
+    assert [n for n in names if "benchmark" in n or "jax_probes" in n] == []
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert not any(n.startswith(("tests/", "examples/", "benchmarks/")) for n in names)
     assert "License-Expression: Apache-2.0" in meta
@@ -226,40 +227,11 @@ def test_installed_wheel_runs_demo_quick(venv, tmp_path):
 
 
 @pytest.mark.slow
-def test_installed_wheel_ships_every_benchmark_and_runs_bench_quick(venv, tmp_path):
-    from jmp_policy.app.bench import benchmark_names
-
-    # Every benchmark of the checkout starts from the wheel (its imports and
-    # arguments); the quick runs of those not run from the checkout elsewhere
-    # (tests/test_benchmarks.py, test_gpu_benchmark.py) run from it.
-    # One process runs each as `python -m ... --help` (JAX imported once).
-    code = (
-        "import contextlib, io, json, runpy, sys\n"
-        "out = {}\n"
-        "for name in sys.argv[1:]:\n"
-        "    module = f'jmp_policy.app.benchmarks.{name}'\n"
-        "    sys.argv, text = [module, '--help'], io.StringIO()\n"
-        "    with contextlib.redirect_stdout(text):\n"
-        "        try:\n"
-        "            runpy.run_module(module, run_name='__main__', alter_sys=True)\n"
-        "        except SystemExit as e:\n"
-        "            out[name] = [e.code, text.getvalue()]\n"
-        "print(json.dumps(out))\n"
-    )
-    names = benchmark_names()
-    proc = _run_in(venv, ["python", "-c", code, *names], tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    helps = json.loads(proc.stdout)
-    assert sorted(helps) == sorted(names)
-    for name, (code, text) in helps.items():
-        assert code in (0, None) and "usage:" in text, (name, code, text)
-    quick = ["cpu_dot", "gpu_compile", "loss_scaling"]
-    args = ["jmp-policy", "bench", "--quick", *(a for n in quick for a in ("--only", n))]
+def test_installed_wheel_runs_doctor_fp8_on_its_transformer(venv, tmp_path):
+    args = ["jmp-policy", "doctor", "--fp8", "transformer", "--recipes", "mixed_float8"]
     proc = _run_in(venv, args, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"{len(quick)} benchmark(s) ran: {', '.join(quick)}" in proc.stdout
-    # No CUDA plugin in this venv: the GPU compile reads its shipped targets, then says why not.
-    assert "gpu_compile: not run: compiling for a GPU needs the CUDA plugin" in proc.stdout
+    assert "with_policy(apply, 'mixed_float8', rules=" in proc.stdout
 
 
 # --------------------------------------------------------------------------

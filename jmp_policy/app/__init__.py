@@ -1,1 +1,1 @@
-"""The application: the jmp-policy command, demo, doctor and benchmarks."""
+"""The application: the jmp-policy command, its demo and doctors."""

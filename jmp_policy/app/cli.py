@@ -4,7 +4,6 @@ Subcommands:
   demo    train one model under four precisions and show what happened
   doctor  report which gradients float16 / bfloat16 could not hold; with --fp8,
           which modules an FP8 recipe should leave in bf16
-  bench   run the benchmarks shipped with the package and print their tables
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ PROG = "jmp-policy"
 FP8_TOLERANCE = 0.03
 _DEMO_EXTRA = ("sklearn", "matplotlib", "tqdm")
 _FLAX_EXTRA = ("flax",)  # every command trains a Flax model
-_BENCH_EXTRA = ("jmp",)  # DeepMind's jmp, a baseline
 
 
 class _UsageError(Exception):
@@ -107,9 +105,9 @@ def _build_parser() -> _Parser:
 
     parser = _Parser(
         prog=PROG,
-        description="Mixed precision for JAX, Flax and optax: demo, diagnostics, benchmarks.",
+        description="Mixed precision for JAX, Flax and optax: a demo and diagnostics.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{demo,doctor,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,doctor}")
 
     p = sub.add_parser(
         "demo",
@@ -214,21 +212,6 @@ def _build_parser() -> _Parser:
         default=",".join(FP8_RECIPES),
         help=f"with --fp8: the policies to try, comma-separated (default {','.join(FP8_RECIPES)})",
     )
-
-    p = sub.add_parser(
-        "bench",
-        help="run the benchmarks (step time and memory of mixed precision against the "
-        "alternatives) and print their tables",
-        description="Runs the benchmarks shipped in jmp_policy.app.benchmarks, each in its "
-        "own process, and prints their tables.",
-    )
-    p.add_argument("--quick", action="store_true", help="a run of seconds per benchmark")
-    p.add_argument(
-        "--only",
-        action="append",
-        metavar="NAME",
-        help="run only this benchmark (repeatable; gpu-compile and gpu_compile alike)",
-    )
     return parser
 
 
@@ -271,7 +254,7 @@ def _fp8_model(name: str, seed: int) -> tuple:
     if name == "transformer":
         import jax
 
-        from jmp_policy.app.benchmarks import _transformer_lm as lm
+        from jmp_policy.app import transformer_lm as lm
 
         batches, _, vocab = lm.make_data(1, seed=seed)
         model = lm.make_model(vocab)
@@ -334,21 +317,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_bench(args: argparse.Namespace) -> int:
-    from jmp_policy.app import bench
-
-    _check_installed(_BENCH_EXTRA, "bench", "bench")
-    names = bench.benchmark_names()
-    only = [n.replace("-", "_") for n in args.only or ()]  # gpu-compile names gpu_compile
-    unknown = sorted(set(only) - set(names))
-    if unknown:
-        raise _UsageError(
-            f"{PROG} bench: error: unknown benchmark {unknown[0]!r}; there are: {', '.join(names)}"
-        )
-    return bench.run(only or names, quick=args.quick)
-
-
-_COMMANDS = {"demo": _run_demo, "doctor": _run_doctor, "bench": _run_bench}
+_COMMANDS = {"demo": _run_demo, "doctor": _run_doctor}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -365,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return e.code if isinstance(e.code, int) else 0
         if args.command is None:
             raise _UsageError(
-                f"{PROG}: error: a command is required: demo, doctor or bench (see '{PROG} --help')"
+                f"{PROG}: error: a command is required: demo or doctor (see '{PROG} --help')"
             )
         return _COMMANDS[args.command](args)
     except _UsageError as e:

@@ -67,8 +67,8 @@ with a causal mask). MFU = those FLOPs / step time / peak.
 
 Usage::
 
-    PYTHONPATH=. python -m jmp_policy.app.benchmarks.gpu_transformer            # auto size
-    PYTHONPATH=. python -m jmp_policy.app.benchmarks.gpu_transformer --size tiny
+    PYTHONPATH=. python benchmarks/gpu_transformer.py            # auto size
+    PYTHONPATH=. python benchmarks/gpu_transformer.py --size tiny
     benchmarks/gpu.sh          # the whole GPU measurement, < 8 minutes
 
 The log and a JSON of the figures go to `$OUT` when set, else `./results/`
@@ -98,9 +98,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import _gpu_lowering
 import jmp_policy
 from jmp_policy import Policy
-from jmp_policy.app.benchmarks import _gpu_lowering
 
 SIZE_ENV = "JMP_POLICY_BENCH_SIZE"
 BUDGET_ENV = "JMP_POLICY_BENCH_BUDGET_S"

@@ -33,7 +33,7 @@ ride in the epilogue or in passes the program makes anyway).
 Usage::
 
     benchmarks/gpu.sh --compile-only                 # both GPUs, every variant
-    PYTHONPATH=. python -m jmp_policy.app.benchmarks.gpu_compile --targets h200_sxm
+    PYTHONPATH=. python benchmarks/gpu_compile.py --targets h200_sxm
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jmp_policy.app.benchmarks import _compiled_hlo
-from jmp_policy.app.benchmarks import gpu_transformer as bench
+import _compiled_hlo
+import gpu_transformer as bench
 
 TARGETS_DIR = Path(__file__).with_name("gpu_targets")
 # GEMM back ends: XLA's default, and with Triton GEMMs off (cuBLAS / cuBLASLt).
@@ -70,7 +70,7 @@ JSON_NAME = "gpu_compile.json"
 
 
 def target_configs() -> dict[str, str]:
-    """The GPU target configs shipped with the package, by name (e.g. "h200_sxm")."""
+    """The GPU target configs of `gpu_targets/`, by name (e.g. "h200_sxm")."""
     return {p.stem: p.read_text() for p in sorted(TARGETS_DIR.glob("*.txtpb"))}
 
 

@@ -23,8 +23,8 @@ CPU form / as written. GPU and TPU programs never contain the CPU form
 
 Usage::
 
-    jmp-policy bench --only cpu_dot            # ~1 minute on 2 CPU cores
-    jmp-policy bench --only cpu_dot --quick    # a few seconds
+    python benchmarks/cpu_dot.py            # ~1 minute on 2 CPU cores
+    python benchmarks/cpu_dot.py --quick    # a few seconds
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def cases(quick: bool) -> dict[str, list[Callable[[], Callable]]]:
     """`{case: builders of its FORMS runners}`."""
     import flax.linen as nn
 
-    from jmp_policy.app.benchmarks import _transformer_lm as lm
+    from jmp_policy.app import transformer_lm as lm
 
     t, k = (512, 256) if quick else (2048, 512)
     out = {

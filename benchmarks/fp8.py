@@ -35,7 +35,7 @@ float32 parameters, sees the same batches and trains with
    1e-3) minus float32's, on an MLP (Dense 128, tanh, Dense 128, tanh,
    Dense 10, no biases; batch 64 x 32, labels of a fixed random teacher)
    and, unless `--quick`, on the example Transformer LM
-   (`_transformer_lm.py`; Flax's FP8 ops in its Dense layers and attention
+   (`jmp_policy/app/transformer_lm.py`; Flax's FP8 ops in its Dense layers and attention
    projections, not in the attention einsums, which have no module hook).
    The output's error against float32 on the first batch, same parameters.
 2. Products: the `dot_general`s of the lowered, jitted train step: forward
@@ -68,8 +68,8 @@ float32 parameters, sees the same batches and trains with
 
 Usage::
 
-    jmp-policy bench --only fp8           # MLP and Transformer LM, 200 steps (~10 minutes)
-    jmp-policy bench --only fp8 --quick   # MLP, 10 steps (about a minute)
+    python benchmarks/fp8.py           # MLP and Transformer LM, 200 steps (~10 minutes)
+    python benchmarks/fp8.py --quick   # MLP, 10 steps (about a minute)
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ import numpy as np
 import optax
 
 import jmp_policy
-from jmp_policy.app.benchmarks import _transformer_lm
+from jmp_policy.app import transformer_lm
 from jmp_policy.core.diagnostics import saved_residuals
 
 OWG = "_overwrite_with_gradient"  # Flax's collection of FP8 scales and amax histories
@@ -213,7 +213,7 @@ def mlp_task(steps: int, use_bias: bool = True, seed: int = 0) -> Task:
 
 
 def lm_task(steps: int, seed: int = 0) -> Task:
-    lm = _transformer_lm
+    lm = transformer_lm
     batches, _, vocab = lm.make_data(steps, seed=seed)
 
     def loss(logits, batch):

@@ -1,11 +1,11 @@
-"""The Transformer benchmark's model: a character-level linen Transformer LM.
+"""A character-level linen Transformer LM: `jmp-policy doctor --fp8 transformer`'s model.
 
 The same architecture, data and loss as `examples/transformer_lm.py` (so the
-figures of both describe one model), plus the two fields only the benchmark
-needs: `dtype` (Flax's hand-written bfloat16 variant), `dot_general`
+figures of both describe one model), shipped for the doctor. The repository's
+benchmarks (`benchmarks/`) train it too, through the fields only they set:
+`dtype` (Flax's hand-written bfloat16 variant), `dot_general`
 (`jmp_policy.half_dot_general` in every matmul) and `dot_general_cls` (Flax's
-FP8 ops in the Dense layers and attention projections). Shipped in the package, so
-`jmp-policy bench` runs from an installed wheel.
+FP8 ops in the Dense layers and attention projections).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ What it measures
 ----------------
 The README's train step (`loss_scaled(adam, NoOpLossScale())`, value and
 gradient of the loss) of the benchmark's linen Transformer LM
-(`_transformer_lm.py`) at 12 layers of width 128, batch 16 x 32 tokens,
+(`jmp_policy/app/transformer_lm.py`) at 12 layers of width 128, batch 16 x 32 tokens,
 lowered with `jax.jit(step).lower(...)` (tracing and lowering to StableHLO,
 no XLA compilation), in four variants:
 
@@ -29,9 +29,9 @@ m=bf16 <= 1.25, autocast <= 1.4.
 
 Usage::
 
-    jmp-policy bench --only lowering           # 5 rounds, ~2 minutes on 2 CPU cores
-    jmp-policy bench --only lowering --quick   # 2 rounds
-    python -m jmp_policy.app.benchmarks.lowering --depth 2 --rounds 1
+    python benchmarks/lowering.py           # 5 rounds, ~2 minutes on 2 CPU cores
+    python benchmarks/lowering.py --quick   # 2 rounds
+    python benchmarks/lowering.py --depth 2 --rounds 1
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ import jax.numpy as jnp
 import optax
 
 import jmp_policy
-from jmp_policy.app.benchmarks import _transformer_lm
-from jmp_policy.app.benchmarks.transformer import train_step
+from jmp_policy.app import transformer_lm
 from jmp_policy.core.autocast import clear_shared_traces
+from transformer import train_step
 
 REFERENCE = "flax dtype=bf16"
 TARGETS = {"with_policy": 1.2, "with_policy m=bf16": 1.25, "autocast": 1.4}
@@ -57,8 +57,8 @@ TARGETS = {"with_policy": 1.2, "with_policy m=bf16": 1.25, "autocast": 1.4}
 
 def variants(vocab_size: int, depth: int, width: int) -> dict[str, Callable]:
     """`{name: apply}` of the four variants."""
-    model = _transformer_lm.make_model(vocab_size, depth=depth, width=width)
-    hand = _transformer_lm.make_model(vocab_size, depth=depth, width=width, dtype=jnp.bfloat16)
+    model = transformer_lm.make_model(vocab_size, depth=depth, width=width)
+    hand = transformer_lm.make_model(vocab_size, depth=depth, width=width, dtype=jnp.bfloat16)
     return {
         REFERENCE: hand.apply,
         "with_policy": jmp_policy.with_policy(model.apply, "mixed_bfloat16"),
@@ -90,16 +90,16 @@ def init_as_users_do(model: Any, *args: Any) -> None:
 
 def transformer_steps(depth: int, width: int) -> tuple[dict[str, Callable], tuple]:
     """The benchmark Transformer's train step per variant, and its arguments (shapes)."""
-    _, _, vocab_size = _transformer_lm.make_data(1)
-    batch = jax.ShapeDtypeStruct((_transformer_lm.BATCH, _transformer_lm.SEQ_LEN + 1), jnp.int32)
-    model = _transformer_lm.make_model(vocab_size, depth=depth, width=width)
+    _, _, vocab_size = transformer_lm.make_data(1)
+    batch = jax.ShapeDtypeStruct((transformer_lm.BATCH, transformer_lm.SEQ_LEN + 1), jnp.int32)
+    model = transformer_lm.make_model(vocab_size, depth=depth, width=width)
     tokens = jnp.zeros(batch.shape, jnp.int32)[:, :-1]
     params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
     init_as_users_do(model, tokens)
     tx = jmp_policy.loss_scaled(optax.adam(1e-3), jmp_policy.NoOpLossScale())
     opt_state = jax.eval_shape(tx.init, params)
     steps = {
-        name: train_step(_transformer_lm, apply, tx)
+        name: train_step(transformer_lm, apply, tx)
         for name, apply in variants(vocab_size, depth, width).items()
     }
     return steps, (params, opt_state, batch)

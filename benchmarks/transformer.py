@@ -3,8 +3,8 @@ dtypes, bytes saved for the backward pass, step time.
 
 What it measures
 ----------------
-The loss of a character-level linen Transformer LM (`_transformer_lm.py`, the
-model of `examples/transformer_lm.py`: embeddings, 2 pre-LN blocks of
+The loss of a character-level linen Transformer LM (`jmp_policy/app/transformer_lm.py`,
+the model of `examples/transformer_lm.py`: embeddings, 2 pre-LN blocks of
 LayerNorm + causal MultiHeadDotProductAttention + GELU MLP, final LayerNorm,
 Dense head; batch 16 x 32 tokens) as a function of its float32 parameters, in seven variants:
 
@@ -53,9 +53,9 @@ Dense head; batch 16 x 32 tokens) as a function of its float32 parameters, in se
 
 Usage::
 
-    jmp-policy bench --only transformer           # ~1 minute on 2 CPU cores
-    jmp-policy bench --only transformer --quick   # ~20 seconds
-    python -m jmp_policy.app.benchmarks.transformer --no-time  # matmuls and bytes only
+    python benchmarks/transformer.py            # ~1 minute on 2 CPU cores
+    python benchmarks/transformer.py --quick    # ~20 seconds
+    python benchmarks/transformer.py --no-time  # matmuls and bytes only
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ import numpy as np
 import optax
 
 import jmp_policy
-from jmp_policy.app.benchmarks import _transformer_lm
+from jmp_policy.app import transformer_lm
 from jmp_policy.core.diagnostics import saved_residuals
 
 TARGET_RATIO = 0.55
@@ -125,7 +125,7 @@ def nbytes(res: Sequence[tuple[Any, str]]) -> int:
 
 def residual_bytes(seed: int = 0) -> dict[str, int]:
     """Residual bytes of the example Transformer's loss per variant (what the test checks)."""
-    lm = _transformer_lm
+    lm = transformer_lm
     batches, _, vocab_size = lm.make_data(1, seed=seed)
     model, variants = make_variants(lm, vocab_size)
     params = lm.init_params(model, "float32", seed)
@@ -270,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.budget = min(args.budget, 5.0)
 
-    lm = _transformer_lm
+    lm = transformer_lm
     batches, _, vocab_size = lm.make_data(20, seed=args.seed)
     model, variants = make_variants(lm, vocab_size)
     params = lm.init_params(model, "float32", args.seed)
