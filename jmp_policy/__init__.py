@@ -64,6 +64,14 @@ def _nnx_state_handler(run, fn, args, kwargs):
     return autocast_with_state(run, fn, args, kwargs)
 
 
+def _linen_state_handler(run, fn, args, kwargs):
+    if "flax.linen" not in sys.modules:
+        return NotImplemented
+    from jmp_policy.integrations.linen import apply_keeping_variables
+
+    return apply_keeping_variables(run, fn, args, kwargs)
+
+
 def _linen_state_reader(fn, kwargs, result):
     # Linen's `init` returns variables and `apply(..., mutable=...)` the
     # updated collections: state, as the model made it.
@@ -85,6 +93,8 @@ def _equinox_state_reader(fn, kwargs, result):
 from jmp_policy.core.autocast import register_state_handler, register_state_reader  # noqa: E402
 from jmp_policy.integrations.flax_serialization import register_when_flax_loads  # noqa: E402
 
+# Linen's first: the NNX handler runs every call that holds no NNX module.
+register_state_handler(_linen_state_handler)
 register_state_handler(_nnx_state_handler)
 register_state_reader(_linen_state_reader)
 register_state_reader(_equinox_state_reader)

@@ -168,6 +168,23 @@ def test_every_layout_runs_forward_and_backward_close_to_float32(policy, referen
             assert _rel_err(grads[name][i], want_grads[name][i]) < tol, (name, "backward", i)
 
 
+def test_every_layout_runs_under_a_mesh(reference):
+    # Under a mesh (MaxText's `jax.set_mesh`) JAX's own transposes of a dot
+    # give their products the operand's sharding (`out_sharding`): they take
+    # the CPU form too, laid out as asked (was: left as written, and a
+    # MaxText train step failed in XLA:CPU).
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    with jax.set_mesh(mesh):
+        fn = forward_and_backward(jmp.autocast(products, POLICIES["m=bf16"][0]))
+        outs, grads = run_compiled(fn, OPERANDS)
+    want_outs, want_grads = reference
+    tol = POLICIES["m=bf16"][1]
+    for name in LAYOUTS:
+        assert _rel_err(outs[name], want_outs[name]) < tol, (name, "forward")
+        for i in range(2):
+            assert _rel_err(grads[name][i], want_grads[name][i]) < tol, (name, "backward", i)
+
+
 @pytest.mark.parametrize("policy", ["autocast bf16", "m=f16", "mixed_float8"])
 def test_every_product_of_the_program_is_a_half_or_fp8_product(policy):
     # The numerics above could also come from float32 products: the CPU

@@ -9,6 +9,7 @@ checks run `jax.eval_shape` (nothing compiles); the Equinox cases are in
 test_equinox.py.
 """
 
+import re
 from typing import NamedTuple
 
 import equinox as eqx
@@ -368,6 +369,67 @@ def test_a_write_into_a_buffer_takes_the_buffers_dtype():
             np.testing.assert_array_equal(np.asarray(out), expected)
         with pytest.raises(TypeError, match="requires arguments to have the same dtypes"):
             jax.jit(fn)(cache, k, jnp.int32(2) if fn is write else at + 1)  # Still refused.
+
+
+def _prefill(cache, k, whole):
+    """MaxText's prefill, as written for a cache of its own dtype: the prompt's
+    keys into the prompt cache, laid out (transposed) as the cache keeps them;
+    a prompt of the cache's full length overwrites it whole (`lax` then
+    returns the keys themselves)."""
+    if whole:
+        return lax.dynamic_update_slice(cache, k.T, (0, 0))
+    laid_out = jnp.transpose(jnp.transpose(cache))
+    return lax.dynamic_update_slice(laid_out, k[:1].T, (0, 0))
+
+
+class _LinenPrefill(nn.Module):
+    whole: bool
+
+    @nn.compact
+    def __call__(self, x):
+        cache = self.variable("cache", "k", jnp.zeros, (4, 2), F32)  # its float32 config
+        # A third party's layer (MaxText's): float32 keys, as written.
+        k = x @ self.param("w", nn.initializers.normal(1.0), (3, 4))
+        cache.value = _prefill(cache.value, k, self.whole)
+        return k
+
+
+class _NnxPrefill(nnx.Module):
+    def __init__(self, whole):
+        self.whole = whole
+        self.w = nnx.Param(jax.random.normal(jax.random.key(0), (3, 4)))
+        self.k = nnx.Cache(jnp.zeros((4, 2), BF16))  # a half cache, as decoding gives it
+
+    def __call__(self, x):
+        k = x @ self.w[...]
+        self.k[...] = _prefill(self.k[...], k, self.whole)
+        return k
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_frameworks_variable_written_by_a_float32_program_keeps_its_dtype(whole):
+    # A float32 program given a bf16 cache: a write takes the cache's dtype
+    # (also through the layout ops between: no float32 copy of the cache).
+    # Overwritten whole, no data flow ties the new keys to the cache: a
+    # framework's variable is state by its API, and comes back in the dtype
+    # it was given (was: float32, and the next decode step's write crashed).
+    x = jnp.ones((2, 3), F32)
+    linen = _LinenPrefill(whole)
+    variables = {**linen.init(jax.random.key(0), x), "cache": {"k": jnp.zeros((4, 2), BF16)}}
+    for wrap in (jmp.with_policy, autocast):
+        apply = jax.jit(lambda v, x, wrap=wrap: wrap(linen.apply, POLICY)(v, x, mutable=["cache"]))
+        out, updated = apply(variables, x)
+        assert (out.dtype, updated["cache"]["k"].dtype) == (F32, BF16), wrap
+        if not whole:  # Written in the cache's own dtype.
+            text = apply.lower(variables, x).as_text()
+            assert re.search(r"dynamic_update_slice [^:]*: \(tensor<4x2xbf16>", text), wrap
+    mixed = jmp_policy.nnx.PolicyModule(_NnxPrefill(whole), POLICY)
+    own = _NnxPrefill(whole)
+    for call, model in ((mixed, mixed.module), (autocast(own, POLICY), own)):
+        out = call(x)
+        assert (out.dtype, model.k[...].dtype) == (F32, BF16)
+        written = out.T.astype(BF16) if whole else out[:1].T.astype(BF16)
+        np.testing.assert_array_equal(np.asarray(model.k[...])[:, : written.shape[1]], written)
 
 
 # Findings 1 and 2: decoding, the cache written, grown or in a struct, several

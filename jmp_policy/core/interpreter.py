@@ -36,7 +36,7 @@ from jmp_policy.core.fp8 import fp8_product
 from jmp_policy.core.matmul import accumulating_dot, accumulating_product, product_of
 from jmp_policy.core.matmul_dtype import asks_full_precision
 from jmp_policy.core.residuals import traced_for
-from jmp_policy.core.state import buffer_sources, flow_of
+from jmp_policy.core.state import MOVES_DATA, buffer_sources, flow_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +294,7 @@ def _product_rule(eqn, invals, rules):
     if out is not None:
         return out
     lhs, rhs = invals
-    if rules.only_products and max(x.dtype.itemsize for x in invals) <= c.itemsize:
+    if rules.only_products and all(x.dtype == c or x.dtype.itemsize < c.itemsize for x in invals):
         # Operands in the compute dtype (or narrower) already: as written.
         return ji.bind(eqn, _as_original(eqn, invals))
     out_dtype = eqn.outvars[0].aval.dtype
@@ -378,6 +378,10 @@ def _apply(eqn, invals, rules):
         args = _as_original(eqn, invals)
         args[0], args[at] = invals[0], cast(args[at], invals[0].dtype)
         return ji.bind(eqn, args)
+    if name in MOVES_DATA and is_float(invals[0]):
+        # Moved, not computed on: a buffer read in its own dtype (a half cache
+        # given to a program traced in float32) is written back in it.
+        return ji.bind(eqn, [invals[0], *_as_original(eqn, invals)[1:]])
     floats = [i for i, x in enumerate(invals) if is_float(x)]
     if not floats or not (name in rules.half or name in rules.float32 or name in rules.promote):
         return ji.bind(eqn, _as_original(eqn, invals))  # Unknown: run as written.

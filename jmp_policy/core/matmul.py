@@ -71,10 +71,12 @@ def dot_product(dimension_numbers: Any, precision: Any = None, out_sharding: Any
             # FP8 operands go into the dot as they are: an algorithm preset
             # (F16_F16_F32) would have JAX convert them to its input type.
             return dot(a, b, pet, _without_algorithm(precision))
-        half_to_f32 = a.dtype in HALF_DTYPES and pet == F32 and out_sharding is None
+        half_to_f32 = a.dtype in HALF_DTYPES and pet == F32
         if not (half_to_f32 and _CPU_BF16_DOT_WORKAROUND):
             return dot(a, b, pet)
-        cpu = functools.partial(_cpu_dot, dims=dims, precision=_without_algorithm(precision))
+        cpu = functools.partial(
+            _cpu_dot, dims=dims, precision=_without_algorithm(precision), out_sharding=out_sharding
+        )
         return lax.platform_dependent(a, b, cpu=cpu, default=functools.partial(dot, pet=pet))
 
     return product
@@ -91,8 +93,10 @@ CPU_FORM_SCOPE = "jmp_policy_cpu_dot"
 
 
 @jax.named_scope(CPU_FORM_SCOPE)
-def _cpu_dot(lhs, rhs, dims, precision):
-    """The dot as one [B, K, M] x [B, K, N] product: the form XLA:CPU always ran."""
+def _cpu_dot(lhs, rhs, dims, precision, out_sharding):
+    """The dot as one [B, K, M] x [B, K, N] product: the form XLA:CPU always ran,
+    its result laid out as the dot's (`out_sharding`, which JAX's own
+    transposes of a dot under a mesh give)."""
     (lc, rc), (lb, rb) = dims
     lf = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
     rf = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
@@ -101,7 +105,8 @@ def _cpu_dot(lhs, rhs, dims, precision):
     lhs = lax.transpose(lhs, (*lb, *lc, *lf)).reshape(b, k, _size(lhs, lf))
     rhs = lax.transpose(rhs, (*rb, *rc, *rf)).reshape(b, k, _size(rhs, rf))
     out = lax.dot_general(lhs, rhs, (((1,), (1,)), ((0,), (0,))), precision, F32)
-    return out.reshape(shape)
+    out = out.reshape(shape)
+    return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
 
 
 def _size(x, dims):

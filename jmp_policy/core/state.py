@@ -38,16 +38,20 @@ from jmp_policy.core.dtypes import cast, is_float
 # None (the rule decides), or a container of those.
 ReturnsState = Any
 
-# Operations whose result is their first operand's data, moved or rewritten
-# in part: a buffer written, grown, selected or cast is still that buffer.
-_MOVES_FIRST = frozenset(
+# Operations whose result is their first (and only floating) operand's
+# elements, moved: exact in any dtype.
+MOVES_DATA = frozenset(
     {
-        "dynamic_update_slice", "scatter", "scatter-add", "scatter-mul", "scatter-min",
-        "scatter-max", "pad", "convert_element_type", "copy", "reshape", "squeeze",
-        "broadcast_in_dim", "transpose", "rev", "slice", "dynamic_slice", "gather",
-        "sharding_constraint", "reduce_precision", "split",
+        "copy", "reshape", "squeeze", "broadcast_in_dim", "transpose", "rev", "slice",
+        "dynamic_slice", "gather", "sharding_constraint", "split",
     }
 )  # fmt: skip
+# Operations whose result is their first operand's data, moved or rewritten
+# in part: a buffer written, grown, selected or cast is still that buffer.
+_MOVES_FIRST = MOVES_DATA | {
+    "dynamic_update_slice", "scatter", "scatter-add", "scatter-mul", "scatter-min",
+    "scatter-max", "pad", "convert_element_type", "reduce_precision",
+}  # fmt: skip
 # Operations whose result is made of several operands' data.
 _MOVES_ALL = frozenset({"concatenate"})
 _SELECTS = frozenset({"select_n"})  # Operand 0 is the predicate.
@@ -151,6 +155,22 @@ def flow_of(values: Sequence[Any], sources: list[Sources], outs: Sequence[Any]) 
             same = [v for v in candidates if v.dtype == out.dtype]
             found[id(out)] = (same or candidates)[0]
     return Flow(found)
+
+
+def as_given(new: Any, given: Any) -> Any:
+    """`new` with each floating leaf at a path where `given` has one in that leaf's dtype.
+
+    A framework's variables (NNX's, linen's collections) are state by its
+    API: one written back keeps the dtype it was given, even where the
+    program makes it anew (a half KV cache overwritten whole by a float32
+    program's keys); one the call creates keeps its dtype as made.
+    """
+    dtypes = {path: x.dtype for path, x in jax.tree_util.tree_leaves_with_path(given) if is_float(x)}
+
+    def keep(path: Any, x: Any) -> Any:
+        return cast(x, dtypes[path]) if path in dtypes and is_float(x) else x
+
+    return jax.tree_util.tree_map_with_path(keep, new)
 
 
 def cast_results(

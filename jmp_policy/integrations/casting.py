@@ -62,6 +62,21 @@ def is_flax_module(module: Any) -> bool:
     return type(module).__module__.split(".")[0] == "flax"
 
 
+# Flax's module base classes: a layer derived from them alone is a third party's.
+_MODULE_BASES = frozenset(nn.Module.__mro__) | frozenset(nnx.Module.__mro__)
+
+
+def is_flax_layer(module: Any) -> bool:
+    """A layer of Flax's (`nn.Dense`, `nnx.Linear`) or derived from one: its
+    `dtype` and `param_dtype` mean what Flax's layers make of them (compute
+    in `dtype`, parameters in `param_dtype`). A third party's own module may
+    read them otherwise, or keep another dtype field beside them."""
+    return any(
+        c not in _MODULE_BASES and c.__module__.split(".")[0] == "flax"
+        for c in type(module).__mro__
+    )
+
+
 def configures_dtypes(model: Any) -> bool:
     """Whether a model has a dtype config of its own: a floating `dtype`
     attribute (Hugging Face's `dtype=jnp.float32`), which its author passes
@@ -113,7 +128,7 @@ def attribute_overrides(module: Any, policy: Policy, *, keep_dtype: bool = False
     algorithm) computes in float32 under every policy: the author's explicit
     precision wins, as it does for a product under `autocast`.
     """
-    if keeps_its_dtypes(module):
+    if keeps_its_dtypes(module) or not is_flax_layer(module):
         return {}
     compute: Any = policy.compute_dtype
     if asks_full_precision(getattr(module, "precision", None)):

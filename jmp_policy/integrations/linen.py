@@ -41,7 +41,7 @@ from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, is_float
 from jmp_policy.core.interpreter import product_scope, trace_and_eval
 from jmp_policy.core.policy import Policy, get_policy
 from jmp_policy.core.residuals import traced_for
-from jmp_policy.core.state import Flow, ReturnsState, cast_results, keep_carry
+from jmp_policy.core.state import Flow, ReturnsState, as_given, cast_results, keep_carry
 from jmp_policy.integrations import casting
 from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_names
 
@@ -390,6 +390,23 @@ def state_in_result(fn: Callable, kwargs: dict) -> Any:
     return None
 
 
+def collections_as_given(collections: Any, variables: Any) -> Any:
+    """The collections `apply` returns, each variable given in `variables` in
+    the dtype it was given (`jmp_policy.core.state.as_given`)."""
+    if not isinstance(collections, Mapping) or not isinstance(variables, Mapping):
+        return collections
+    return as_given(flax.core.unfreeze(collections), flax.core.unfreeze(variables))
+
+
+def apply_keeping_variables(run: Callable, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """`autocast`'s call of a linen `apply` that returns collections: the
+    variables given come back in their dtypes; `NotImplemented` for any other call."""
+    if _linen_entry(fn) != "apply" or not _returns_collections(kwargs):
+        return NotImplemented
+    out, collections = run(fn, args, kwargs)
+    return out, collections_as_given(collections, _split_first("apply", args, kwargs)[0])
+
+
 def _returns_collections(kwargs: dict) -> bool:
     mutable = kwargs.get("mutable", False)
     return bool(mutable) or bool(kwargs.get("capture_intermediates", False))
@@ -607,6 +624,7 @@ def with_policy(
         first, args, kwargs = _split_first(entry, args, kwargs)
         # `init`'s products are never seen: only its parameters are kept.
         call = _Call(keep_inputs=keep_inputs, rewrite=entry != "init")
+        given = first
         if entry == "apply":
             first = read_as_made(first, args, kwargs)
         with _calling(policy, call, interceptor, (first, args, kwargs) if scaled else ()):
@@ -630,7 +648,7 @@ def with_policy(
             return made if entry == "init" else (to_output(result[0], flow), made)
         if _returns_collections(kwargs):
             out, collections = result
-            return to_output(out, flow), collections
+            return to_output(out, flow), collections_as_given(collections, given)
         return to_output(result, flow)
 
     return wrapped

@@ -38,7 +38,7 @@ from jmp_policy.core.interpreter import flow_recording_runner, product_scope
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
 from jmp_policy.core.policy import Policy, get_policy
-from jmp_policy.core.state import ReturnsState, cast_results
+from jmp_policy.core.state import ReturnsState, as_given, cast_results
 from jmp_policy.integrations import casting
 from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_names
 
@@ -573,17 +573,17 @@ def autocast_with_state(run: Callable, fn: Callable, args: tuple, kwargs: dict) 
     graphdef, state = nnx.split(nodes)
     others = [None if i in at else leaf for i, leaf in enumerate(leaves)]
 
-    def pure(state, others):
-        new_nodes = nnx.merge(graphdef, state)
+    def pure(traced_state, others):
+        new_nodes = nnx.merge(graphdef, traced_state)
         full = list(others)
         for i, node in zip(at, new_nodes):
             full[i] = node
         head, a, k = jax.tree.unflatten(treedef, full)
         out = head(*a, **k) if call is None else call(head, *a, **k)
-        # What a call updates (statistics, PRNG counters): parameters are read
-        # only, and writing them back would fail for a module that a jitted
-        # function closes over.
-        return out, nnx.state(new_nodes, nnx.Not(nnx.Param))
+        # What a call updates (statistics, PRNG counters, caches), in the
+        # dtypes the variables have: parameters are read only, and writing
+        # them back would fail for a module that a jitted function closes over.
+        return out, as_given(nnx.state(new_nodes, nnx.Not(nnx.Param)), state)
 
     out, new_state = run(pure, (state, others), {})
     nnx.update(nodes, new_state)
