@@ -187,7 +187,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def load_script(relative_path: str, name: str) -> types.ModuleType:
-    """Imports a script of the checkout (`examples/...`) as `name`, once."""
+    """Imports a script of the checkout (`examples/...`, `tests/...`) as `name`, once."""
     path = ROOT / relative_path
     module = sys.modules.get(name)
     if module is not None and pathlib.Path(getattr(module, "__file__", "")).resolve() == path:

@@ -9,8 +9,9 @@
   ViT (`equinox_vit.py`) print a row per policy with its loss, accuracy, loss
   scale and skipped steps.
 
-The Transformer benchmark, which carries its own copy of the model, is tested
-in `test_benchmarks.py`.
+The package's copy of the Transformer (`jmp_policy/app/transformer_lm.py`,
+which the doctor and the benchmarks use) is checked against the example in
+`test_benchmarks.py`.
 """
 
 import math
