@@ -33,6 +33,7 @@ import jmp_policy.nnx
 
 from corpus import checks
 from corpus.bonsai_qwen3 import modeling as qwen3
+from helpers import contractions
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,7 +115,22 @@ def test_qwen3(qwen3_own, policy):
     out = qwen3_forward(mixed, dtype)
     assert out.dtype == jnp.float32
     assert checks.relative_error(out, ref) <= checks.error_bound(policy, own_errors)
-    checks.assert_products(policy, qwen3_text(mixed, dtype), own_texts.get(dtype))
+    text = qwen3_text(mixed, dtype)
+    checks.assert_products(policy, text, own_texts.get(dtype))
+    # The same dtype for every product through autocast: one engine decides.
+    graph, state = nnx.split(model)
+
+    def via_autocast(state):
+        def forward(model, cache):
+            return model(TOKENS, cache=cache, segment_ids=jnp.ones(TOKENS.shape, jnp.int32))
+
+        cache = qwen3.init_cache(QWEN3, B, T, 0, dtype)
+        return jmp.autocast(forward, policy)(nnx.merge(graph, state), cache)
+
+    autocast_text = checks.jit(via_autocast).lower(state).as_text()
+    assert sorted(op.operand_types for op in contractions(text)) == sorted(
+        op.operand_types for op in contractions(autocast_text)
+    )
 
     graph, params, rest = nnx.split(mixed, nnx.Param, ...)
 

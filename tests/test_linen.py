@@ -1167,8 +1167,7 @@ def test_module_attributes_are_overridden_inside_and_restored_after():
     found = contractions(apply.lower(variables, x).as_text())
     # The explicit float32 Dense computes in bf16 inside the call...
     assert compute_dtypes(found) == [BF16]
-    # (a third party's own `dtype` field is left as written: what it means is its own)
-    assert SEEN["parent"] is None
+    assert SEEN["parent"] == BF16
     # ...and has the user's dtype back afterwards, also after an error.
     assert SEEN["child after its call"] == jnp.float32
     assert SEEN["failing after its error"] == jnp.float32
@@ -1806,49 +1805,30 @@ def test_init_runs_the_model_once_where_the_policys_draws_are_its_own():
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), variables, own))
 
 
-class _DenseDrawingInDtype(nn.Dense):
-    """A Flax layer (its `dtype` Flax's) that draws its kernel in `dtype` and
-    takes inputs only in it."""
-
-    @nn.compact
-    def __call__(self, x):
-        if x.dtype != self.dtype:
-            raise TypeError(f"expects {self.dtype} inputs, got {x.dtype}")
-        return x @ self.param("w", nn.initializers.normal(1.0), (3, 2), self.dtype)
-
-
 def test_init_draws_as_the_model_does_where_the_policy_would_draw_in_half():
     x = jnp.ones((1, 3), F32)
     own = _DrawsInItsDtype().init(jax.random.key(0), x)["params"]["w"]
-    # A third party's `dtype` field is its own: the policy leaves it, and the
-    # model draws (and refuses bf16 inputs) as written.
+    # The policy's model takes bf16 inputs; its own init, given them, refuses:
+    # it draws with its floating arguments in float32 (was: the policy's bf16 draws).
     init = with_policy(_DrawsInItsDtype().init, "mixed_bfloat16")
-    drawn = init(jax.random.key(0), x)["params"]["w"]
-    assert drawn.dtype == F32 and bool((drawn == own).all())
-    with pytest.raises(TypeError, match="expects float32 inputs"):
-        init(jax.random.key(0), x.astype(BF16))
-    half = with_policy(_DrawsInItsDtype().init, "bf16")(jax.random.key(0), x)["params"]["w"]
-    assert half.dtype == BF16 and bool((half == own.astype(BF16)).all())
-    # A Flax layer's `dtype` takes the compute dtype: the policy's model takes
-    # bf16 inputs, its own init, given them, refuses: it draws with its
-    # floating arguments in float32 (was: the policy's bf16 draws).
-    own = _DenseDrawingInDtype(2, dtype=F32).init(jax.random.key(0), x)["params"]["w"]
-    init = with_policy(_DenseDrawingInDtype(2, dtype=F32).init, "mixed_bfloat16")
     drawn = init(jax.random.key(0), x.astype(BF16))["params"]["w"]
     assert drawn.dtype == F32 and bool((drawn == own).all())
+    half = with_policy(_DrawsInItsDtype().init, "bf16")(jax.random.key(0), x.astype(BF16))
+    half = half["params"]["w"]
+    assert half.dtype == BF16 and bool((half == own.astype(BF16)).all())
 
 
 def test_an_init_whose_own_form_cannot_run_is_said():
-    class OnlyInHalf(nn.Dense):
+    class OnlyInHalf(nn.Module):
         dtype: Any = F32
 
         @nn.compact
         def __call__(self, x):
             if self.dtype != BF16:
                 raise ValueError("this model runs only in bfloat16")
-            return super().__call__(x)
+            return nn.Dense(2, dtype=self.dtype)(x)
 
-    init = with_policy(OnlyInHalf(2).init, "mixed_bfloat16")
+    init = with_policy(OnlyInHalf().init, "mixed_bfloat16")
     with pytest.raises(ValueError, match="only in bfloat16") as info:  # Was: the policy's draws.
         init(jax.random.key(0), jnp.ones((1, 3), F32))
     assert any("model's own init" in note for note in info.value.__notes__)

@@ -11,30 +11,58 @@ pins clash with this project's.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 MAXTEXT = ROOT / ".venv" / "maxtext"
+FRONT_ENDS = ["nnx", "linen", "nnx-autocast", "linen-autocast"]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (MAXTEXT / "maxtext").is_dir(), reason="./run installs MaxText in .venv/maxtext"
+    ),
+]
 
 
-@pytest.mark.skipif(
-    not (MAXTEXT / "maxtext").is_dir(), reason="./run installs MaxText in .venv/maxtext"
-)
-@pytest.mark.parametrize("front_end", ["nnx", "linen", "nnx-autocast", "linen-autocast"])
-def test_maxtext(front_end, tmp_path):
+@functools.cache
+def run(front_end: str) -> subprocess.CompletedProcess:
     path = os.pathsep.join([str(MAXTEXT), str(ROOT / "tests"), str(ROOT)])
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "corpus" / "maxtext_check.py"), front_end],
-        env={**os.environ, "PYTHONPATH": path, "TMPDIR": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
-    assert "every check holds" in run.stdout, run.stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        return subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "corpus" / "maxtext_check.py"), front_end],
+            env={**os.environ, "PYTHONPATH": path, "TMPDIR": tmp},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_maxtext(front_end):
+    done = run(front_end)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert "every check holds" in done.stdout, done.stdout
+
+
+def test_maxtext_products_take_one_dtype_in_every_front_end():
+    # The same decoder (linen's is MaxText's NNX one behind its own ToLinen):
+    # within each policy, every product's operand dtypes agree across the
+    # four routes, as one engine decides them.
+    seen = {}
+    for front_end in FRONT_ENDS:
+        lines = [
+            line for line in run(front_end).stdout.splitlines() if line.startswith("products ")
+        ]
+        assert lines, run(front_end).stdout + run(front_end).stderr[-4000:]
+        seen[front_end] = dict(line.split(": ", 1) for line in lines)
+    for policy in seen["nnx"]:
+        by_front_end = {f: json.loads(seen[f][policy]) for f in FRONT_ENDS}
+        assert all(p == by_front_end["nnx"] for p in by_front_end.values()), (policy, by_front_end)

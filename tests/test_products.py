@@ -384,3 +384,103 @@ def test_a_rule_reaches_an_nnx_modules_helper_its_parent_calls():
     model = jnnx.PolicyModule(_CallsAHelper(nnx.Rngs(0)), "mixed_bfloat16", rules={"head": "f32"})
     names = [tuple(d.name for d in ds) for ds in products(lambda x: model(x), X)]
     assert names == [("bfloat16", "bfloat16"), ("float32", "float32")]
+
+
+CORPUS_POLICIES = [
+    "mixed_bfloat16",
+    "mixed_float16",
+    "p=f32,c=bf16,o=f32,m=bf16",
+    "mixed_float8",
+    "mixed_mxfp8",
+]
+
+
+def _bridged_front_ends(policy: str) -> dict[str, dict[str, Any]]:
+    """`{model: {front end: function of the input}}` for the two bridges."""
+    to_linen = WithToLinen()
+    variables = to_linen.init(jax.random.key(0), X)
+    to_nnx = WithToNNX(nnx.Rngs(0))
+    bridge.lazy_init(to_nnx.inner, X)
+    # Merged anew in the trace (the bridge updates its PRNG counters).
+    mixed, plain = (nnx.split(m) for m in (jnnx.PolicyModule(to_nnx, policy), to_nnx))
+
+    def merged(split):
+        return nnx.merge(split[0], jax.tree.map(lambda a: a, split[1]))
+
+    with_policy = jmp.with_policy(to_linen.apply, policy)
+    autocast = jmp.autocast(to_linen.apply, policy)
+    return {
+        "ToLinen": {
+            "with_policy": lambda x: with_policy(variables, x),
+            "autocast": lambda x: autocast(variables, x),
+        },
+        "ToNNX": {
+            "nnx": lambda x: merged(mixed)(x),
+            "autocast": lambda x: jmp.autocast(merged(plain), policy)(x),
+        },
+    }
+
+
+@pytest.mark.parametrize("policy", CORPUS_POLICIES)
+@standard_promotion
+def test_conformance_every_front_end_gives_each_product_one_dtype(policy):
+    # Within a policy, a model's products take the same operand dtypes through
+    # linen `with_policy`, `jmp_policy.nnx` and `autocast` (MaxText's and the
+    # corpus models' are checked in their own tests).
+    models = {"scores": _front_ends(policy), **_bridged_front_ends(policy)}
+    for model, front_ends in models.items():
+        seen = {
+            name: sorted(op.operand_types for op in contractions(jax.jit(fn).lower(X).as_text()))
+            for name, fn in front_ends.items()
+        }
+        assert len({tuple(s) for s in seen.values()}) == 1, (model, seen)
+
+
+# MaxText's attention: its rotary embedding keeps a dtype field of its own
+# (`fprop_dtype`, unset by the policy), and the cache write checks that keys
+# and values agree. With the policy's dtype in `dtype`, they do not.
+class LinenCheckedAttention(nn.Module):
+    dtype: Any = jnp.float32
+    fprop_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(1.0), (8, 8))
+        keys = (x @ w).astype(self.fprop_dtype)
+        values = (x @ w).astype(self.dtype)
+        assert keys.dtype == values.dtype, "Key and Value Dtypes should match."
+        return keys @ values.T
+
+
+class NnxCheckedAttention(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (8, 8)))
+        self.dtype = self.fprop_dtype = jnp.float32
+
+    def __call__(self, x):
+        keys = (x @ self.w[...]).astype(self.fprop_dtype)
+        values = (x @ self.w[...]).astype(self.dtype)
+        assert keys.dtype == values.dtype, "Key and Value Dtypes should match."
+        return keys @ values.T
+
+
+@standard_promotion
+def test_a_third_partys_fields_that_must_agree_run_as_written():
+    # Was: the model's AssertionError. Now the call runs its own program,
+    # every product in the compute dtype, and says so.
+    linen = LinenCheckedAttention()
+    variables = linen.init(jax.random.key(0), X)
+    module = NnxCheckedAttention(nnx.Rngs(0))
+    mixed = jnnx.PolicyModule(module, "mixed_bfloat16")
+    for name, fn in {
+        "with_policy": lambda x: jmp.with_policy(linen.apply, "mixed_bfloat16")(variables, x),
+        "nnx": lambda x: mixed(x),
+    }.items():
+        with pytest.warns(RuntimeWarning, match="Key and Value Dtypes should match"):
+            out = fn(X)
+        assert out.dtype == F32, name
+        with pytest.warns(RuntimeWarning):
+            assert float32_products(fn, X) == 0, name
+    # A model's own error, there with its fields as written too, is raised unchanged.
+    with pytest.raises(TypeError, match="contracting dimensions"):
+        jmp.with_policy(linen.apply, "mixed_bfloat16")(variables, jnp.ones((2, 3)))

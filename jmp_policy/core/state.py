@@ -165,7 +165,9 @@ def as_given(new: Any, given: Any) -> Any:
     program makes it anew (a half KV cache overwritten whole by a float32
     program's keys); one the call creates keeps its dtype as made.
     """
-    dtypes = {path: x.dtype for path, x in jax.tree_util.tree_leaves_with_path(given) if is_float(x)}
+    dtypes = {
+        path: x.dtype for path, x in jax.tree_util.tree_leaves_with_path(given) if is_float(x)
+    }
 
     def keep(path: Any, x: Any) -> Any:
         return cast(x, dtypes[path]) if path in dtypes and is_float(x) else x

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -42,6 +43,8 @@ from jmp_policy.core.matmul_dtype import (
     traced_dot_general,
 )
 from jmp_policy.core.policy import Policy
+
+T = TypeVar("T")
 
 # The dense layers whose `dot_general` hook takes the matmul dtype; `*_cls`
 # factories win over the injected function in Flax, so they are cleared.
@@ -75,6 +78,33 @@ def is_flax_layer(module: Any) -> bool:
         c not in _MODULE_BASES and c.__module__.split(".")[0] == "flax"
         for c in type(module).__mro__
     )
+
+
+def run_as_written(error: Exception, run: Callable[[], T], model: Any) -> T:
+    """`run()`: the call again, a third party's own modules' dtype fields as
+    their author wrote them, after the call with the policy's in them failed
+    with `error`.
+
+    Such a module may keep dtypes in fields of its own that the policy does
+    not set (MaxText's rotary `fprop_dtype`) and check that they agree with
+    `dtype`. Run as written, every product is still in the policy's dtypes
+    (the engine decides); the values between products are in the model's
+    own. Says so in a `RuntimeWarning`; where the call fails this way too,
+    `error` is raised unchanged (the model's own error).
+    """
+    try:
+        out = run()
+    except Exception:
+        raise error from None
+    warnings.warn(
+        f"jmp_policy: {type(model).__name__} fails with the policy's dtypes in its own "
+        f"modules' fields ({type(error).__name__}: {error}); it runs with them as written, "
+        "every product in the policy's dtypes, the values between products in the "
+        "model's own.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return out
 
 
 def configures_dtypes(model: Any) -> bool:
@@ -128,7 +158,7 @@ def attribute_overrides(module: Any, policy: Policy, *, keep_dtype: bool = False
     algorithm) computes in float32 under every policy: the author's explicit
     precision wins, as it does for a product under `autocast`.
     """
-    if keeps_its_dtypes(module) or not is_flax_layer(module):
+    if keeps_its_dtypes(module):
         return {}
     compute: Any = policy.compute_dtype
     if asks_full_precision(getattr(module, "precision", None)):

@@ -58,6 +58,10 @@ class _Call:
 
     keep_inputs: frozenset[str]
     rewrite: bool = False  # Products are decided by the op-level rewrite (not in `init`).
+    # A third party's own modules keep their dtype fields as written (see `with_policy`).
+    as_written: bool = False
+    # Whether the policy set a dtype field of a third party's own module.
+    set_third_party_fields: bool = False
     top: bool = True  # The next intercepted call is the model's own (its inputs).
     # Whether the model has a dtype config (`casting.configures_dtypes`); None
     # until its own call.
@@ -289,6 +293,10 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
             module, context.method_name, configured=bool(call.configured), named=named
         )
         overrides = casting.attribute_overrides(module, own, keep_dtype=as_built)
+        if overrides and not casting.is_flax_layer(module):
+            if call.as_written:
+                overrides = {}
+            call.set_third_party_fields = True
         overrides.update(casting.matmul_overrides(module, own, rewritten=call.rewrite))
         saved = {name: getattr(module, name) for name in overrides}
         token = _ACTIVE_POLICY.set(policy)
@@ -395,7 +403,7 @@ def collections_as_given(collections: Any, variables: Any) -> Any:
     the dtype it was given (`jmp_policy.core.state.as_given`)."""
     if not isinstance(collections, Mapping) or not isinstance(variables, Mapping):
         return collections
-    return as_given(flax.core.unfreeze(collections), flax.core.unfreeze(variables))
+    return as_given(flax.core.unfreeze(dict(collections)), flax.core.unfreeze(dict(variables)))
 
 
 def apply_keeping_variables(run: Callable, fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -606,14 +614,15 @@ def with_policy(
     model: nn.Module = target.__self__  # type: ignore[attr-defined]  # A bound linen method.
     made_key = (policy, tuple(rule_set.rules))
 
-    def read_as_made(variables: Any, args: tuple, kwargs: dict) -> Any:
+    def read_as_made(variables: Any, args: tuple, kwargs: dict, call: _Call) -> Any:
         """`variables` with each parameter in the dtype the model makes it in under the policy."""
         if not isinstance(variables, Mapping) or "params" not in variables:
             return variables
-        dtypes = _MADE.get(model, made_key, args, kwargs)
+        key = (*made_key, call.as_written)
+        dtypes = _MADE.get(model, key, args, kwargs)
         if dtypes is None:
-            dtypes = _made_dtypes(model, policy, interceptor, args, kwargs)
-            _MADE.put(model, made_key, args, kwargs, dtypes)
+            dtypes = _made_dtypes(model, policy, interceptor, args, kwargs, call)
+            _MADE.put(model, key, args, kwargs, dtypes)
         return {**variables, "params": _read_in(variables["params"], dtypes)}
 
     @functools.wraps(fn)
@@ -622,33 +631,45 @@ def with_policy(
         # The first argument is the variables (apply) or the PRNG key (init):
         # variables keep their dtypes; modules cast their parameters.
         first, args, kwargs = _split_first(entry, args, kwargs)
+
+        def traced(call: _Call) -> tuple[Any, Flow]:
+            variables = read_as_made(first, args, kwargs, call) if entry == "apply" else first
+            values = (variables, args, kwargs) if scaled else ()
+            with _calling(policy, call, interceptor, values):
+                try:
+                    return trace_and_eval(
+                        run,
+                        (variables, args, kwargs),
+                        op_rules if call.rewrite else None,
+                        flow=True,
+                    )
+                except (TypeError, ValueError) as e:
+                    if entry == "apply":
+                        _explain_state_dtypes(e, variables, policy)
+                    raise
+
         # `init`'s products are never seen: only its parameters are kept.
         call = _Call(keep_inputs=keep_inputs, rewrite=entry != "init")
-        given = first
-        if entry == "apply":
-            first = read_as_made(first, args, kwargs)
-        with _calling(policy, call, interceptor, (first, args, kwargs) if scaled else ()):
-            try:
-                result, flow = trace_and_eval(
-                    run, (first, args, kwargs), op_rules if call.rewrite else None, flow=True
-                )
-            except (TypeError, ValueError) as e:
-                if entry == "apply":
-                    _explain_state_dtypes(e, first, policy)
+        try:
+            result, flow = traced(call)
+        except Exception as error:
+            if entry != "apply" or not call.set_third_party_fields:
                 raise
+            call = _Call(keep_inputs=keep_inputs, rewrite=True, as_written=True)
+            result, flow = casting.run_as_written(error, lambda: traced(call), model)
         if "method" not in kwargs:
             # A whole-model call met every module: a pattern that matched none is a typo.
             rule_set.check_all_matched(call.matched, call.paths, getattr(target, "__self__", None))
         if entry != "apply":
             made = result if entry == "init" else result[1]
             if isinstance(made, Mapping) and "params" in made:
-                _MADE.put(model, made_key, args, kwargs, _dtypes_by_path(made["params"]))
+                _MADE.put(model, (*made_key, False), args, kwargs, _dtypes_by_path(made["params"]))
                 own = _own_draws(target, entry, (first, args, kwargs), made["params"])
                 made = _params_to_owner_dtypes({**made, "params": own}, call.owners, policy)
             return made if entry == "init" else (to_output(result[0], flow), made)
         if _returns_collections(kwargs):
             out, collections = result
-            return to_output(out, flow), collections_as_given(collections, given)
+            return to_output(out, flow), collections_as_given(collections, first)
         return to_output(result, flow)
 
     return wrapped
@@ -659,7 +680,12 @@ _APPLY_ONLY = ("mutable", "rngs", "capture_intermediates")
 
 
 def _made_dtypes(
-    model: nn.Module, policy: Policy, interceptor: Callable, args: tuple, kwargs: dict
+    model: nn.Module,
+    policy: Policy,
+    interceptor: Callable,
+    args: tuple,
+    kwargs: dict,
+    call: _Call,
 ) -> dict[str, Any]:
     """The dtype each parameter is made in under the policy, by its path.
 
@@ -682,10 +708,19 @@ def _made_dtypes(
         key = jax.random.key(0)
         return model.init({"params": key, **dict.fromkeys(streams, key)}, *a, **k)
 
+    made = _Call(frozenset(), as_written=call.as_written)
     try:
-        with _without_callers_interceptors(), _calling(policy, _Call(frozenset()), interceptor):
-            shapes = _shapes_of(init, args, kwargs)
+        with _without_callers_interceptors(), _calling(policy, made, interceptor):
+            try:
+                shapes = _shapes_of(init, args, kwargs)
+            except TypeError as e:
+                # A float32 model refuses to write into a half cache it is given;
+                # its parameters are made alike with the cache in float32.
+                if not jax_internals.is_write_dtype_mismatch(e):
+                    raise
+                shapes = _shapes_of(init, *_widened((args, kwargs)))
     except Exception as e:  # Raised unchanged (a user's own error), with where it arose.
+        call.set_third_party_fields = made.set_third_party_fields
         e.add_note(
             f"with_policy was running {type(model).__name__}.init abstractly with the "
             "arguments of this apply, to learn the dtype each parameter is made in under "

@@ -66,8 +66,9 @@ def _norm_policy(policy: Policy) -> Policy:
     return policy.with_compute_dtype(np.float32)
 
 
-def _configure(module: nnx.Module, policy: Policy) -> None:
-    """Sets `module`'s dtype attributes (and matmul products) to `policy`'s.
+def _configure(module: nnx.Module, policy: Policy) -> dict[str, Any]:
+    """Sets `module`'s dtype attributes (and matmul products) to `policy`'s;
+    returns the values they had.
 
     Only attributes the module holds itself: a wrapper that forwards others
     (`nnx.bridge.ToNNX` reads its linen module's) is left as it is.
@@ -76,9 +77,12 @@ def _configure(module: nnx.Module, policy: Policy) -> None:
         **casting.attribute_overrides(module, policy),
         **casting.matmul_overrides(module, policy),
     }
+    had = {}
     for name, value in overrides.items():
         if name in vars(module):
+            had[name] = getattr(module, name)
             setattr(module, name, value)
+    return had
 
 
 def _path_str(path: PathParts) -> str:
@@ -202,7 +206,9 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
 
 def _with_policy(
     module: nnx.Module, policy: PolicyLike, rules: Rules | None
-) -> tuple[nnx.Module, dict[PathParts, Policy], set[PathParts], set[PathParts]]:
+) -> tuple[
+    nnx.Module, dict[PathParts, Policy], set[PathParts], set[PathParts], dict[PathParts, dict]
+]:
     if not isinstance(module, nnx.Module):
         raise TypeError(
             f"jmp_policy.nnx.with_policy expects a flax.nnx.Module, got {module!r}; "
@@ -225,17 +231,22 @@ def _with_policy(
         path: p if path in named else casting.own_policy(modules[path], p)
         for path, p in policies.items()
     }
+    # The fields of a third party's own modules as its author wrote them
+    # (`casting.run_as_written`).
+    written: dict[PathParts, dict] = {}
     for path, sub in modules.items():
         if casting.keeps_its_dtypes(sub):
             continue  # Complex parameters are left alone by `cast_to_param` too.
-        _configure(sub, _norm_policy(policies[path]) if path in norms else policies[path])
+        had = _configure(sub, _norm_policy(policies[path]) if path in norms else policies[path])
+        if had and not casting.is_flax_layer(sub):
+            written[path] = had
     for path, node in nnx.iter_graph(mixed):
         if isinstance(node, nnx.Param):
             value = node.get_value()
             cast = policies[_nearest_prefix(path, modules)].cast_to_param(value)
             if cast is not value:
                 node.set_value(cast)
-    return mixed, policies, named, norms
+    return mixed, policies, named, norms, written
 
 
 def _rebind_closures(original: nnx.Module, copy: nnx.Module) -> None:
@@ -374,7 +385,10 @@ class PolicyModule(nnx.Module):
     ) -> None:
         self.policy = get_policy(policy)
         self.returns_state = returns_state
-        self.module, policies, named, norms = _with_policy(module, self.policy, rules)
+        self.module, policies, named, norms, written = _with_policy(module, self.policy, rules)
+        self._as_written = tuple(
+            (path, tuple(fields.items())) for path, fields in sorted(written.items(), key=str)
+        )
         # The norms' configuration follows the promotion in force at each call.
         self._norms = tuple((path, policies[path]) for path in sorted(norms, key=_path_str))
         # The model's inputs are cast as any layer's: by its own policy (a
@@ -414,10 +428,20 @@ class PolicyModule(nnx.Module):
         return key in self.keep_inputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._call(args, kwargs, ())
+        except Exception as error:
+            if not self._as_written:
+                raise
+            return casting.run_as_written(
+                error, lambda: self._call(args, kwargs, self._as_written), self.module
+            )
+
+    def _call(self, args: tuple, kwargs: dict, as_written: tuple) -> Any:
         run, flows = flow_recording_runner(self._rules)
         try:
             # Inputs cast inside the traced program: what comes back from one is seen to.
-            plan = _CallPlan(self.input_policy, self._keep, self._norms, self._scoped)
+            plan = _CallPlan(self.input_policy, self._keep, self._norms, self._scoped, as_written)
             out = autocast_with_state(run, plan, (self.module, *args), kwargs)
         except TypeError as e:
             if not (jax_internals.is_loop_carry_type_change(e) and self._switched):
@@ -446,9 +470,14 @@ class _CallPlan:
     keep: Callable[[int | str], bool]
     norms: tuple[tuple[PathParts, Policy], ...]
     scoped: tuple[tuple[PathParts, tuple], ...]  # (path, its `policy_products`)
+    as_written: tuple[tuple[PathParts, tuple], ...]  # (path, its fields as written)
 
     def __call__(self, module: nnx.Module, *args: Any, **kwargs: Any) -> Any:
-        modules = dict(nnx.iter_modules(module)) if self.norms or self.scoped else {}
+        needed = self.norms or self.scoped or self.as_written
+        modules = dict(nnx.iter_modules(module)) if needed else {}
+        for path, fields in self.as_written:
+            for name, value in fields:
+                setattr(modules[path], name, value)
         for path, norm_policy in self.norms:
             _configure(modules[path], _norm_policy(norm_policy))
         for path, products in self.scoped:

@@ -22,6 +22,7 @@ from gemma.gm.nn import _config, _modules, _transformer
 import jmp_policy as jmp
 
 from corpus import checks
+from helpers import contractions
 
 L, G = _modules.AttentionType.LOCAL_SLIDING, _modules.AttentionType.GLOBAL
 CONFIG = _config.TransformerConfig(
@@ -93,6 +94,7 @@ def main() -> int:
         )
     print("own config's error:", {str(k): round(v, 5) for k, v in own_errors.items()})
     print("own config's gradients finite:", {str(k): v for k, v in own_learns.items()})
+    texts = {}
     for policy in checks.POLICIES:
         dtype = checks.compute_dtype(policy)
         apply = jmp.with_policy(model().apply, policy)
@@ -102,7 +104,8 @@ def main() -> int:
         print(f"{policy}: error {error:.5f} (bound {checks.error_bound(policy, own_errors):.5f})")
         assert out.dtype == jnp.float32
         assert error <= checks.error_bound(policy, own_errors), policy
-        checks.assert_products(policy, forward.lower(params, TOKENS).as_text(), own_texts[dtype])
+        texts[policy] = forward.lower(params, TOKENS).as_text()
+        checks.assert_products(policy, texts[policy], own_texts[dtype])
 
         def loss_fn(params, apply=apply):
             return loss(lambda *a: apply(*a).logits, params)
@@ -117,6 +120,12 @@ def main() -> int:
     out = apply(params, TOKENS).logits
     print(f"autocast {policy}: error {checks.relative_error(out, ref):.5f}")
     assert checks.relative_error(out, ref) <= checks.error_bound(policy, own_errors)
+    # The same dtype for every product as through with_policy: one engine decides.
+    products = [
+        sorted(op.operand_types for op in contractions(text))
+        for text in (texts[policy], apply.lower(params, TOKENS).as_text())
+    ]
+    assert products[0] == products[1], products
     checks.assert_decodes_as_uncached(
         policy, cached_logits(apply, params, checks.BF16), out, own_errors
     )

@@ -16,10 +16,15 @@ check.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One device: MaxText's batch is per device (the test suite sets up eight).
+os.environ["XLA_FLAGS"] = " ".join(
+    f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f
+)
 os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")  # No Google Cloud clients.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -37,6 +42,7 @@ import jmp_policy as jmp  # noqa: E402
 import jmp_policy.nnx  # noqa: E402
 
 from corpus import checks  # noqa: E402
+from helpers import contractions  # noqa: E402
 
 POLICIES = (
     "mixed_bfloat16",
@@ -248,6 +254,9 @@ def main(front_end: str) -> int:
         assert error <= checks.error_bound(policy, own_errors), policy
         text = checks.jit(forward).lower(params, TOKENS).as_text()
         checks.assert_products(policy, text, own_texts[dtype])
+        # For tests/test_maxtext.py's conformance across the front ends.
+        operands = sorted(list(op.operand_types) for op in contractions(text))
+        print(f"products {policy}: {json.dumps(operands)}")
         checks.assert_trains(*checks.train(lambda p, f=forward: loss(f, p), params, policy))
         cached = model.decode(policy, dtype)
         checks.assert_decodes_as_uncached(policy, cached, out, own_errors)
