@@ -18,7 +18,9 @@ no XLA compilation), in four variants:
 The same four for DeepMind's Griffin (recurrentgemma, where installed), a
 model written elsewhere: its own `dtype=bfloat16` config is the reference,
 its train step the value and gradient of the next-token loss, at `depth`
-residual blocks (recurrent and attention, alternating) of width `width`.
+residual blocks (recurrent and attention, alternating) of width `width`; and
+for Google's MaxText (where `./run` installed it, in .venv/maxtext), its
+llama2 decoder of `depth` layers against its own bf16 config.
 
 Each round lowers every variant once, a new `jax.jit` each time (no cached
 trace, and jmp_policy's shared product traces forgotten: a first lowering),
@@ -37,9 +39,15 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import os
 import statistics
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -51,6 +59,7 @@ from jmp_policy.app import transformer_lm
 from jmp_policy.core.autocast import clear_shared_traces
 from transformer import train_step
 
+ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = "flax dtype=bf16"
 TARGETS = {"with_policy": 1.2, "with_policy m=bf16": 1.25, "autocast": 1.4}
 
@@ -81,11 +90,11 @@ def lowering_seconds(step: Callable, *args: Any) -> float:
 POLICIES = ("mixed_bfloat16", "p=f32,c=bf16,o=f32,m=bf16")
 
 
-def init_as_users_do(model: Any, *args: Any) -> None:
+def init_as_users_do(init: Callable, *args: Any) -> None:
     """`with_policy(model.init, policy)` (abstractly), as the README's train step
     starts: it tells `with_policy` the dtypes the model makes its parameters in."""
     for policy in POLICIES:
-        jax.eval_shape(jmp_policy.with_policy(model.init, policy), jax.random.key(0), *args)
+        jax.eval_shape(jmp_policy.with_policy(init, policy), jax.random.key(0), *args)
 
 
 def transformer_steps(depth: int, width: int) -> tuple[dict[str, Callable], tuple]:
@@ -95,7 +104,7 @@ def transformer_steps(depth: int, width: int) -> tuple[dict[str, Callable], tupl
     model = transformer_lm.make_model(vocab_size, depth=depth, width=width)
     tokens = jnp.zeros(batch.shape, jnp.int32)[:, :-1]
     params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
-    init_as_users_do(model, tokens)
+    init_as_users_do(model.init, tokens)
     tx = jmp_policy.loss_scaled(optax.adam(1e-3), jmp_policy.NoOpLossScale())
     opt_state = jax.eval_shape(tx.init, params)
     steps = {
@@ -133,7 +142,7 @@ def griffin_steps(depth: int, width: int) -> tuple[dict[str, Callable], tuple] |
     tokens = jnp.zeros((8, 33), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), (8, 32))
     params = jax.eval_shape(model.init, jax.random.key(0), tokens[:, :-1], pos)["params"]
-    init_as_users_do(model, tokens[:, :-1], pos)
+    init_as_users_do(model.init, tokens[:, :-1], pos)
     tx = jmp_policy.loss_scaled(optax.adam(1e-3), jmp_policy.NoOpLossScale())
 
     def step_of(apply: Callable) -> Callable:
@@ -152,6 +161,101 @@ def griffin_steps(depth: int, width: int) -> tuple[dict[str, Callable], tuple] |
 
     steps = {name: step_of(apply) for name, apply in applies.items()}
     return steps, (params, jax.eval_shape(tx.init, params), tokens)
+
+
+def maxtext_steps(depth: int, width: int) -> tuple[dict[str, Callable], tuple] | None:
+    """MaxText's train step per variant and its arguments; None without MaxText.
+
+    Its linen `TransformerLinen` (a llama2 decoder, MaxText's NNX model behind
+    its own `ToLinen`), made by its own `pyconfig` and `from_config`; its own
+    `dtype=bfloat16, weight_dtype=float32` config is the reference. Lowered
+    under its mesh and logical axis rules (`maxtext_context`).
+    """
+    installed = ROOT / ".venv" / "maxtext"
+    if installed.is_dir() and str(installed) not in sys.path:
+        sys.path.insert(0, str(installed))  # `./run` installs it apart.
+    os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")  # No Google Cloud clients.
+    try:
+        from maxtext import configs  # type: ignore[import-not-found]
+        from maxtext.configs import pyconfig  # type: ignore[import-not-found]
+        from maxtext.utils import (  # type: ignore[import-not-found]
+            maxtext_utils,
+            model_creation_utils,
+        )
+    except ImportError:
+        return None
+    xla_flags = os.environ.get("XLA_FLAGS")
+
+    def config(dtype: str) -> Any:
+        return pyconfig.initialize(
+            ["lowering", os.path.join(os.path.dirname(configs.__file__), "base.yml")],
+            hardware="cpu", skip_jax_distributed_system=True, enable_checkpointing=False,
+            jax_cache_dir="", run_name="lowering", dataset_type="synthetic",
+            base_output_directory=os.path.join(tempfile.gettempdir(), "maxtext_lowering"),
+            attention="dot_product", decoder_block="llama2", base_emb_dim=width,
+            base_num_query_heads=2, base_num_kv_heads=2, base_mlp_dim=2 * width,
+            base_num_decoder_layers=depth, head_dim=width // 2, vocab_size=256,
+            max_target_length=32, max_prefill_predict_length=16, per_device_batch_size=8,
+            scan_layers=False, dtype=dtype, weight_dtype="float32",
+        )  # fmt: skip
+
+    configs_ = {dtype: config(dtype) for dtype in ("float32", "bfloat16")}
+    # pyconfig sets XLA_FLAGS to dump HLO: the lowerings need not.
+    if xla_flags is None:
+        os.environ.pop("XLA_FLAGS", None)
+    else:
+        os.environ["XLA_FLAGS"] = xla_flags
+    mesh = maxtext_utils.get_mesh_from_config(configs_["float32"])
+    MAXTEXT_CONTEXT[:] = [mesh, configs_["float32"].logical_axis_rules]
+    model, hand = (model_creation_utils.from_config(configs_[d], mesh=mesh) for d in configs_)
+    applies = {
+        REFERENCE: hand.apply,
+        "with_policy": jmp_policy.with_policy(model.apply, "mixed_bfloat16"),
+        "with_policy m=bf16": jmp_policy.with_policy(model.apply, "p=f32,c=bf16,o=f32,m=bf16"),
+        "autocast": jmp_policy.autocast(model.apply, "mixed_bfloat16"),
+    }
+    tokens = jnp.zeros((8, 33), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), (8, 32))
+    segments = jnp.ones((8, 32), jnp.int32)
+    call = {"enable_dropout": False, "model_mode": "train"}
+    init = functools.partial(model.init, **call)
+    with maxtext_context():
+        params = jax.eval_shape(init, jax.random.key(0), tokens[:, :-1], pos, segments)["params"]
+        init_as_users_do(init, tokens[:, :-1], pos, segments)
+    tx = jmp_policy.loss_scaled(optax.adam(1e-3), jmp_policy.NoOpLossScale())
+
+    def step_of(apply: Callable) -> Callable:
+        def step(params: Any, opt_state: Any, tokens: jax.Array) -> Any:
+            def loss(p: Any) -> jax.Array:
+                logits = apply(p, tokens[:, :-1], pos, segments, **call)
+                return optax.softmax_cross_entropy_with_integer_labels(
+                    logits.astype(jnp.float32), tokens[:, 1:]
+                ).mean()
+
+            value, grads = jax.value_and_grad(loss)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        return step
+
+    steps = {name: step_of(apply) for name, apply in applies.items()}
+    return steps, (params, jax.eval_shape(tx.init, params), tokens)
+
+
+# MaxText's mesh and logical axis rules, once made: its model is lowered under them.
+MAXTEXT_CONTEXT: list[Any] = []
+
+
+@contextlib.contextmanager
+def maxtext_context() -> Iterator[None]:
+    if not MAXTEXT_CONTEXT:
+        yield
+        return
+    import flax
+
+    mesh, rules = MAXTEXT_CONTEXT
+    with jax.set_mesh(mesh), flax.core.spmd.logical_axis_rules(rules):
+        yield
 
 
 def measure(
@@ -181,14 +285,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=128)
     args = parser.parse_args(argv)
     rounds = 2 if args.quick else args.rounds
-    models = {"Transformer": transformer_steps, "Griffin (recurrentgemma)": griffin_steps}
+    models = {
+        "Transformer": transformer_steps,
+        "Griffin (recurrentgemma)": griffin_steps,
+        "MaxText (llama2)": maxtext_steps,
+    }
     for model, make in models.items():
-        with jax.numpy_dtype_promotion("standard"):  # Griffin is written for it.
+        with jax.numpy_dtype_promotion("standard"):  # Griffin and MaxText are written for it.
             made = make(args.depth, args.width)
             if made is None:
                 print(f"\n{model}: not installed, not measured")
                 continue
-            seconds, ratios = measure(rounds, *made)
+            with maxtext_context():
+                seconds, ratios = measure(rounds, *made)
+            MAXTEXT_CONTEXT.clear()
         reference_s = statistics.median(seconds)
         print(
             f"\n{model} train step lowering, {args.depth} layers x width {args.width}, median "
