@@ -176,12 +176,9 @@ def maxtext_steps(depth: int, width: int) -> tuple[dict[str, Callable], tuple] |
         sys.path.insert(0, str(installed))  # `./run` installs it apart.
     os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")  # No Google Cloud clients.
     try:
-        from maxtext import configs  # type: ignore[import-not-found]
-        from maxtext.configs import pyconfig  # type: ignore[import-not-found]
-        from maxtext.utils import (  # type: ignore[import-not-found]
-            maxtext_utils,
-            model_creation_utils,
-        )
+        from maxtext import configs
+        from maxtext.configs import pyconfig
+        from maxtext.utils import maxtext_utils, model_creation_utils
     except ImportError:
         return None
     xla_flags = os.environ.get("XLA_FLAGS")
