@@ -58,7 +58,7 @@ class _Call:
 
     keep_inputs: frozenset[str]
     rewrite: bool = False  # Products are decided by the op-level rewrite (not in `init`).
-    # A third party's own modules keep their dtype fields as written (see `with_policy`).
+    # A third party's own modules keep their dtype fields as written (`casting.run_as_written`).
     as_written: bool = False
     # Whether the policy set a dtype field of a third party's own module.
     set_third_party_fields: bool = False
