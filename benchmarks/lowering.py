@@ -114,6 +114,25 @@ def transformer_steps(depth: int, width: int) -> tuple[dict[str, Callable], tupl
     return steps, (params, opt_state, batch)
 
 
+def next_token_steps(applies: dict[str, Callable], logits: Callable, tx: Any) -> dict:
+    """`{name: train step}`: Adam on the next-token loss of `logits(apply, params, tokens)`."""
+
+    def step_of(apply: Callable) -> Callable:
+        def step(params: Any, opt_state: Any, tokens: jax.Array) -> Any:
+            def loss(p: Any) -> jax.Array:
+                return optax.softmax_cross_entropy_with_integer_labels(
+                    logits(apply, p, tokens[:, :-1]).astype(jnp.float32), tokens[:, 1:]
+                ).mean()
+
+            value, grads = jax.value_and_grad(loss)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        return step
+
+    return {name: step_of(apply) for name, apply in applies.items()}
+
+
 def griffin_steps(depth: int, width: int) -> tuple[dict[str, Callable], tuple] | None:
     """Griffin's train step per variant and its arguments; None without recurrentgemma."""
     try:
@@ -145,21 +164,10 @@ def griffin_steps(depth: int, width: int) -> tuple[dict[str, Callable], tuple] |
     init_as_users_do(model.init, tokens[:, :-1], pos)
     tx = jmp_policy.loss_scaled(optax.adam(1e-3), jmp_policy.NoOpLossScale())
 
-    def step_of(apply: Callable) -> Callable:
-        def step(params: Any, opt_state: Any, tokens: jax.Array) -> Any:
-            def loss(p: Any) -> jax.Array:
-                logits, _ = apply({"params": p}, tokens[:, :-1], pos, return_cache=False)
-                return optax.softmax_cross_entropy_with_integer_labels(
-                    logits.astype(jnp.float32), tokens[:, 1:]
-                ).mean()
+    def logits(apply: Callable, params: Any, tokens: jax.Array) -> jax.Array:
+        return apply({"params": params}, tokens, pos, return_cache=False)[0]
 
-            value, grads = jax.value_and_grad(loss)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, value
-
-        return step
-
-    steps = {name: step_of(apply) for name, apply in applies.items()}
+    steps = next_token_steps(applies, logits, tx)
     return steps, (params, jax.eval_shape(tx.init, params), tokens)
 
 
@@ -221,21 +229,10 @@ def maxtext_steps(depth: int, width: int) -> tuple[dict[str, Callable], tuple] |
         init_as_users_do(init, tokens[:, :-1], pos, segments)
     tx = jmp_policy.loss_scaled(optax.adam(1e-3), jmp_policy.NoOpLossScale())
 
-    def step_of(apply: Callable) -> Callable:
-        def step(params: Any, opt_state: Any, tokens: jax.Array) -> Any:
-            def loss(p: Any) -> jax.Array:
-                logits = apply(p, tokens[:, :-1], pos, segments, **call)
-                return optax.softmax_cross_entropy_with_integer_labels(
-                    logits.astype(jnp.float32), tokens[:, 1:]
-                ).mean()
+    def logits(apply: Callable, params: Any, tokens: jax.Array) -> jax.Array:
+        return apply(params, tokens, pos, segments, **call)
 
-            value, grads = jax.value_and_grad(loss)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, value
-
-        return step
-
-    steps = {name: step_of(apply) for name, apply in applies.items()}
+    steps = next_token_steps(applies, logits, tx)
     return steps, (params, jax.eval_shape(tx.init, params), tokens)
 
 
