@@ -19,7 +19,7 @@ import pytest
 import jmp_policy as jmp
 
 from corpus import checks
-from helpers import compiler_options
+from helpers import compiler_options, contractions
 
 griffin = pytest.importorskip("recurrentgemma.jax")
 
@@ -161,4 +161,15 @@ def test_griffin_forward_and_products_no_worse_than_its_own_half_config(params, 
         assert out.dtype == F32
         assert checks.relative_error(out, ref) <= checks.error_bound(policy, own_errors)
         own_text = own.lower(params).as_text()
-        checks.assert_products(policy, mixed.lower(params).as_text(), own_text)
+        text = mixed.lower(params).as_text()
+        checks.assert_products(policy, text, own_text)
+        # The same dtype for every product through autocast: one engine decides.
+        via_autocast = checks.jit(
+            lambda p: jmp.autocast(griffin.Griffin(CONFIG).apply, policy)(
+                {"params": p}, TOKENS, POS, return_cache=False
+            )[0]
+        )
+        autocast_text = via_autocast.lower(params).as_text()
+        assert sorted(op.operand_types for op in contractions(text)) == sorted(
+            op.operand_types for op in contractions(autocast_text)
+        )
