@@ -520,7 +520,11 @@ def with_policy(
     float32 accumulation; so a layer that keeps its dtype in a field of
     another name (a rotary embedding's `fprop_dtype`), reads `dtype` as its
     parameters' dtype, or sits behind `nnx.bridge.ToLinen`, multiplies in
-    the compute dtype too. Products already in it run as written.
+    the compute dtype too. Products already in it run as written. Where a
+    third party's module fails with the policy's dtypes in its own fields
+    (MaxText's checks that its keys, in `fprop_dtype`, and values agree),
+    the call runs again with them as written, every product still decided
+    so, and a `RuntimeWarning` says so.
 
     A policy with a `matmul_dtype` (`"p=f32,c=bf16,o=f32,m=bf16"`,
     `"mixed_float8"`) sets every product of the model: `half_dot_general`

@@ -332,7 +332,11 @@ class PolicyModule(nnx.Module):
     dtypes than its parent's traces its methods' products in a
     `product_scope`. Its norms follow the dtype promotion in force at each
     call (float32 under strict, see `with_policy`). Both are set on the copy
-    the traced call merges. Its state is the module's under the prefix
+    the traced call merges. Where a call fails with the policy's dtypes in a
+    third party's own modules' fields (MaxText's prefill checks that its
+    keys, in `fprop_dtype`, and values agree), it runs again with those
+    fields as written, every product still decided so, and a
+    `RuntimeWarning` says so. Its state is the module's under the prefix
     `module`; call other methods through `.module`.
 
     Under `nnx.scan` the loop carry must keep its dtype: a rule that puts a
