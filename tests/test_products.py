@@ -470,10 +470,12 @@ def test_a_third_partys_fields_that_must_agree_run_as_written():
     # every product in the compute dtype, and says so.
     linen = LinenCheckedAttention()
     variables = linen.init(jax.random.key(0), X)
+    lifted = nn.remat(LinenCheckedAttention)()  # Its class is Flax's making, its fields not.
     module = NnxCheckedAttention(nnx.Rngs(0))
     mixed = jnnx.PolicyModule(module, "mixed_bfloat16")
     for name, fn in {
         "with_policy": lambda x: jmp.with_policy(linen.apply, "mixed_bfloat16")(variables, x),
+        "lifted": lambda x: jmp.with_policy(lifted.apply, "mixed_bfloat16")(variables, x),
         "nnx": lambda x: mixed(x),
     }.items():
         with pytest.warns(RuntimeWarning, match="Key and Value Dtypes should match"):

@@ -75,9 +75,15 @@ def is_flax_layer(module: Any) -> bool:
     in `dtype`, parameters in `param_dtype`). A third party's own module may
     read them otherwise, or keep another dtype field beside them."""
     return any(
-        c not in _MODULE_BASES and c.__module__.split(".")[0] == "flax"
+        c not in _MODULE_BASES
+        and c.__module__.split(".")[0] == "flax"
+        and c.__module__ != _LIFTED  # `nn.scan(Block)`: the block's own class decides
         for c in type(module).__mro__
     )
+
+
+# Where Flax makes the classes of lifted modules (`nn.scan`, `nn.remat`, ...).
+_LIFTED = "flax.linen.transforms"
 
 
 def run_as_written(error: Exception, run: Callable[[], T], model: Any) -> T:
