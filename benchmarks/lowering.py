@@ -34,6 +34,7 @@ Usage::
     python benchmarks/lowering.py           # 5 rounds, ~2 minutes on 2 CPU cores
     python benchmarks/lowering.py --quick   # 2 rounds
     python benchmarks/lowering.py --depth 2 --rounds 1
+    python benchmarks/lowering.py --models transformer griffin
 """
 
 from __future__ import annotations
@@ -271,20 +272,31 @@ def measure(
     return reference_s, ratios
 
 
+MODELS = {
+    "transformer": ("Transformer", transformer_steps),
+    "griffin": ("Griffin (recurrentgemma)", griffin_steps),
+    "maxtext": ("MaxText (llama2)", maxtext_steps),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="2 rounds")
     parser.add_argument("--depth", type=int, default=12)
     parser.add_argument("--width", type=int, default=128)
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=MODELS,
+        default=list(MODELS),
+        help="the models to measure (MaxText puts its own packages, .venv/maxtext, "
+        "first on this process's path)",
+    )
     args = parser.parse_args(argv)
     rounds = 2 if args.quick else args.rounds
-    models = {
-        "Transformer": transformer_steps,
-        "Griffin (recurrentgemma)": griffin_steps,
-        "MaxText (llama2)": maxtext_steps,
-    }
-    for model, make in models.items():
+    for key in args.models:
+        model, make = MODELS[key]
         with jax.numpy_dtype_promotion("standard"):  # Griffin and MaxText are written for it.
             made = make(args.depth, args.width)
             if made is None:
