@@ -1,0 +1,121 @@
+"""The linen method interceptor: each module's policy, dtype fields and product scope.
+
+Every module call of a wrapped call passes through it: it resolves the
+module's policy from the rules (else its parent's), sets the module's dtype
+fields for the call only, casts the inputs of a module a rule names, and
+marks the products of a module whose rule changes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+
+from jmp_policy.core.autocast import policy_products
+from jmp_policy.core.interpreter import product_scope
+from jmp_policy.core.policy import Policy
+from jmp_policy.integrations import casting
+from jmp_policy.integrations.linen.arguments import _keeper
+from jmp_policy.integrations.linen.call import _ACTIVE_POLICY, _CALL, _Call, _identity, _module_path
+from jmp_policy.integrations.linen.loop_carries import _carry_loop, _restore_carry
+from jmp_policy.integrations.linen.remat_norms import _rematerialised, _should_remat
+from jmp_policy.integrations.rules import RuleSet
+
+
+def _module_policy(
+    module: nn.Module, rules: RuleSet, inherited: Policy, call: _Call
+) -> tuple[Policy, bool]:
+    """`(policy, whether a rule named the module)`; records the module's path."""
+    path = _module_path(module, call)
+    call.running.append(path)
+    call.paths.add("/".join(path))
+    policy, named = rules.policy_for(module, "/".join(path), inherited, call.matched)
+    call.owners[path] = policy
+    return policy, named
+
+
+def _promotion(module: nn.Module) -> contextlib.AbstractContextManager:
+    """Flax's own layers run under the dtype promotion they are written for.
+
+    Standard: Flax's norms lift half inputs to float32 statistics with
+    `jnp.promote_types`, and its recurrent cells add their half gates to a
+    float32 carry, as a model's own half-precision config does; strict dtype
+    promotion, where the caller set it, would reject both.
+    """
+    if casting.is_flax_module(module) and hasattr(module, "dtype"):
+        return jax.numpy_dtype_promotion("standard")
+    return contextlib.nullcontext()
+
+
+def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
+    def interceptor(next_fun, args, kwargs, context):
+        # `setup` included: parameters created there (nn.Embed's) must take the
+        # module's param dtype, also where a rule changes it.
+        name = context.method_name
+        module = context.module
+        if (name.startswith("__") and name != "__call__") or module.scope is None:
+            # Flax intercepts a module's own `__getattr__` too, which reading
+            # its `dtype` below would call again; and a method of an unbound
+            # module (an `apply` or `init` a model overrides), which binds it
+            # and calls the module's own methods, intercepted then.
+            return next_fun(*args, **kwargs)
+        call = _CALL.get()
+        scope = module.scope
+        if scope is not None and scope.parent is None and id(scope) not in call.bound:
+            call.bound[id(scope)] = _identity(module.variables)
+        inherited = _ACTIVE_POLICY.get()
+        policy, named = _module_policy(module, rules, inherited, call)
+        if call.configured is None and context.method_name != "setup":
+            call.configured = casting.configures_dtypes(module)  # The model's own.
+        # What the module computes itself: statistics the hand config keeps
+        # in float32 stay so; the modules it calls take `policy`.
+        own = policy if named else casting.own_policy(module, policy)
+        as_built = own is not policy or casting.looks_up_as_built(
+            module, context.method_name, configured=bool(call.configured), named=named
+        )
+        overrides = casting.attribute_overrides(module, own, keep_dtype=as_built)
+        if overrides and not casting.is_flax_layer(module):
+            if call.as_written:
+                overrides = {}
+            call.set_third_party_fields = True
+        overrides.update(casting.matmul_overrides(module, own, rewritten=call.rewrite))
+        saved = {name: getattr(module, name) for name in overrides}
+        token = _ACTIVE_POLICY.set(policy)
+        # The model's own call: the first one, `setup` aside (Flax runs it first).
+        top = call.top and context.method_name != "setup"
+        call.top = call.top and not top
+        given = args
+        # Inputs keep their dtypes (the layers cast what they compute with),
+        # except those of a module a rule names, but not the model's
+        # arguments that `keep_inputs` names.
+        keep = _keeper(context.orig_method, call.keep_inputs) if top else lambda key: False
+        if casting.casts_inputs(module, named):
+            args, kwargs = casting.cast_inputs(policy, args, kwargs, keep)
+        # Linen modules are frozen dataclasses: set the attributes for the
+        # duration of this call only, and put the user's values back after.
+        for name, value in overrides.items():
+            object.__setattr__(module, name, value)
+        # A module whose products take another compute or matmul dtype than
+        # its parent's marks them for the op-level rewrite (see `with_policy`).
+        products = policy_products(own)
+        scoped = call.rewrite and products != call.products[-1]
+        scope = product_scope(*products) if scoped else contextlib.nullcontext()
+        call.products.append(products)
+        try:
+            if remat_norms and _should_remat(module, context.method_name, policy):
+                next_fun = _rematerialised(next_fun, call.norm_programs)
+            with _promotion(module), scope:
+                out = next_fun(*args, **kwargs)
+            loop = _carry_loop(module)
+            return out if loop is None else _restore_carry(loop, given, out)
+        finally:
+            for name, value in saved.items():
+                object.__setattr__(module, name, value)
+            _ACTIVE_POLICY.reset(token)
+            call.running.pop()
+            call.products.pop()
+
+    return interceptor

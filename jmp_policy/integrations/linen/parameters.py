@@ -1,0 +1,241 @@
+"""Parameters: the dtypes a model makes them in under a policy, and `init`'s own draws.
+
+`apply` reads each parameter in the dtype the model makes it in (`_read_in`),
+learnt from `with_policy(model.init, ...)` or one abstract `init`
+(`_made_dtypes`, kept in `_MADE`); `init` returns the model's own draws
+(`_own_draws`), each in its owner's param dtype (`_params_to_owner_dtypes`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_policy.core import jax_internals
+from jmp_policy.core.dtypes import is_float
+from jmp_policy.core.policy import Policy
+from jmp_policy.integrations.linen import flax_internals
+from jmp_policy.integrations.linen.call import _Call, _calling
+
+# What `apply` takes that `init` does not.
+_APPLY_ONLY = ("mutable", "rngs", "capture_intermediates")
+
+
+def _made_dtypes(
+    model: nn.Module,
+    policy: Policy,
+    interceptor: Callable,
+    args: tuple,
+    kwargs: dict,
+    call: _Call,
+) -> dict[str, Any]:
+    """The dtype each parameter is made in under the policy, by its path.
+
+    That is the model's own half config: a layer that reads `dtype` as its
+    parameters' dtype (gemma's, whose `init` makes every parameter in it)
+    makes them in the compute dtype and computes with them so; Flax's layers
+    make them in `param_dtype`. Found by running `model.init` under the
+    policy abstractly (nothing is computed), out of sight of the caller's own
+    method interceptors, with the PRNG streams the call draws from.
+
+    Raises:
+      Whatever that `init` raises, with a note saying so (never a silent
+      guess of the dtypes).
+    """
+    # The PRNG streams the call draws from (dropout's), for `init` to draw from too.
+    streams = sorted(kwargs.get("rngs") or ())
+    kwargs = {k: v for k, v in kwargs.items() if k not in _APPLY_ONLY}
+
+    def init(*a: Any, **k: Any) -> Any:
+        key = jax.random.key(0)
+        return model.init({"params": key, **dict.fromkeys(streams, key)}, *a, **k)
+
+    made = _Call(frozenset(), as_written=call.as_written)
+    try:
+        with flax_internals.interceptors_set_aside(), _calling(policy, made, interceptor):
+            try:
+                shapes = _shapes_of(init, args, kwargs)
+            except TypeError as e:
+                # A float32 model refuses to write into a half cache it is given;
+                # its parameters are made alike with the cache in float32.
+                if not jax_internals.is_write_dtype_mismatch(e):
+                    raise
+                shapes = _shapes_of(init, *_widened((args, kwargs)))
+    except Exception as e:  # Raised unchanged (a user's own error), with where it arose.
+        call.set_third_party_fields = made.set_third_party_fields
+        e.add_note(
+            f"with_policy was running {type(model).__name__}.init abstractly with the "
+            "arguments of this apply, to learn the dtype each parameter is made in under "
+            "the policy (a layer may make its parameters in `dtype`)."
+        )
+        raise
+    return _dtypes_by_path(shapes.get("params", {}))
+
+
+def _by_path(params: Any) -> dict[str, Any]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    return {jax.tree_util.keystr(path): x for path, x in flat}
+
+
+def _dtypes_by_path(params: Any) -> dict[str, Any]:
+    return {path: x.dtype for path, x in _by_path(params).items()}
+
+
+def _read_in(params: Any, dtypes: dict[str, Any]) -> Any:
+    """`params`, each floating one made narrower in the model than stored cast to that dtype."""
+
+    def read(path: Any, x: Any) -> Any:
+        made = dtypes.get(jax.tree_util.keystr(path))
+        if made is None or not is_float(x) or not jnp.issubdtype(made, jnp.floating):
+            return x
+        return x.astype(made) if np.dtype(made).itemsize < x.dtype.itemsize else x
+
+    return jax.tree_util.tree_map_with_path(read, params)
+
+
+class _MadeDtypes:
+    """The dtypes a model makes its parameters in under a policy, by model and call.
+
+    Recorded by `with_policy(model.init, ...)` (its own draws under the
+    policy), else found once by an abstract `init` (`_made_dtypes`). Keyed by
+    the model (held weakly; equal linen modules share), the policy and rules,
+    and the call's structure and dtypes (not its shapes: `init` on a small
+    batch serves `apply` on any).
+    """
+
+    def __init__(self) -> None:
+        self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def _key(key: Any, args: tuple, kwargs: dict) -> Any:
+        kwargs = {k: v for k, v in kwargs.items() if k not in _APPLY_ONLY}
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        arrays = (jax.Array, np.ndarray)
+        values = tuple(np.dtype(x.dtype) if isinstance(x, arrays) else x for x in leaves)
+        full = (key, treedef, values)
+        try:
+            hash(full)
+        except TypeError:
+            return None
+        return full
+
+    def get(self, model: Any, key: Any, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+        full = self._key(key, args, kwargs)
+        try:
+            return None if full is None else self._by_model.get(model, {}).get(full)
+        except TypeError:  # A model that cannot be held weakly, or hashed.
+            return None
+
+    def put(self, model: Any, key: Any, args: tuple, kwargs: dict, dtypes: dict) -> None:
+        full = self._key(key, args, kwargs)
+        try:
+            if full is not None:
+                self._by_model.setdefault(model, {})[full] = dtypes
+        except TypeError:
+            pass
+
+
+_MADE = _MadeDtypes()
+
+
+def _shapes_of(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """`jax.eval_shape(fn, *args, **kwargs)`, only the arrays abstract (a
+    `train=False` flag stays a Python value)."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    at = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+
+    def on(*arrays: Any) -> Any:
+        full = list(leaves)
+        for i, x in zip(at, arrays):
+            full[i] = x
+        a, k = jax.tree.unflatten(treedef, full)
+        return fn(*a, **k)
+
+    return jax.eval_shape(
+        on, *(jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for i in at)
+    )
+
+
+def _own_draws(target: Callable, entry: str, call: tuple[Any, tuple, dict], made: Any) -> Any:
+    """The parameters `model.init` itself draws, where the policy's draws differ.
+
+    A parameter the model draws in its `dtype` (`self.param(..., self.dtype)`)
+    or in a half param dtype is drawn in half under the policy: its values
+    are the plain `init`'s, cast after. Only then is `init` run a second time;
+    which parameters differ is read from an abstract plain `init`. Arguments
+    only the policy's model takes (a half cache the float32 model would
+    write float32 into) are given to it in float32.
+
+    Raises:
+      The plain `init`'s own error, with a note, where it cannot run.
+      ValueError: if it makes other parameters than the policy's.
+    """
+    first, args, kwargs = call
+
+    def plain(*a: Any, **k: Any) -> Any:
+        out = target(first, *a, **k)
+        return (out if entry == "init" else out[1])["params"]
+
+    try:
+        own = _shapes_of(plain, args, kwargs)
+    except (TypeError, ValueError) as error:
+        args, kwargs = _widened((args, kwargs))
+        try:
+            own = _shapes_of(plain, args, kwargs)
+        except Exception:
+            error.add_note(
+                "with_policy was running the model's own init (also with its floating "
+                "arguments in float32) to draw its parameters as it does."
+            )
+            raise error from None
+    own_leaves, made_leaves = _by_path(own), _by_path(made)
+    if {k: x.shape for k, x in own_leaves.items()} != {k: x.shape for k, x in made_leaves.items()}:
+        raise ValueError(
+            "with_policy: the model makes other parameters under the policy than its own "
+            "init does (a shape or structure that follows a dtype), so its own draws "
+            "cannot stand in for the policy's."
+        )
+    if all(made_leaves[k].dtype.itemsize >= x.dtype.itemsize for k, x in own_leaves.items()):
+        return made  # The same draws.
+    return plain(*args, **kwargs)
+
+
+def _widened(tree: Any) -> Any:
+    """`tree`, its floating arrays narrower than float32 in float32."""
+
+    def widen(x: Any) -> Any:
+        if is_float(x) and np.dtype(x.dtype).itemsize < 4:
+            return jnp.asarray(x, np.float32)
+        return x
+
+    return jax.tree.map(widen, tree)
+
+
+def _params_to_owner_dtypes(
+    variables: Any, owners: dict[tuple[str, ...], Policy], policy: Policy
+) -> Any:
+    """Each real floating parameter in the param dtype of the module that owns it.
+
+    Layers create their parameters in `param_dtype`; a module without that
+    attribute (`self.param(...)` in a custom module) creates float32 ones, and
+    its own policy (its rule's, or its parent's) decides, whatever rules other
+    modules have. Complex parameters stay complex.
+    """
+    if "params" not in variables:
+        return variables
+
+    def cast(path, leaf):
+        keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        owner = next(
+            (owners[keys[:i]] for i in range(len(keys), -1, -1) if keys[:i] in owners), policy
+        )
+        return owner.cast_to_param(leaf)
+
+    params = jax.tree_util.tree_map_with_path(cast, variables["params"])
+    return {**variables, "params": params}

@@ -1,0 +1,89 @@
+"""`with_policy` of a plain function (a `lambda` around `apply`), and its guess of Flax variables.
+
+Its floating arguments are cast to compute, except those that look like
+Flax variables (a mapping with `"params"`); the call checks that a model was
+applied to each of those.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jmp_policy.core.autocast import product_rules
+from jmp_policy.core.interpreter import trace_and_eval
+from jmp_policy.core.policy import Policy
+from jmp_policy.core.state import Flow
+from jmp_policy.integrations import casting
+from jmp_policy.integrations.linen.arguments import _keeper
+from jmp_policy.integrations.linen.call import _CALL, _Call, _calling, _identity
+
+
+def _plain_function(
+    fn: Callable,
+    policy: Policy,
+    interceptor: Callable,
+    keep_inputs: frozenset[str],
+    scaled: bool,
+    to_output: Callable[[Any, Flow], Any],
+) -> Callable:
+    """`with_policy` of a function that is not a linen entry point (a `lambda` around apply)."""
+    keep = _keeper(fn, keep_inputs)
+    op_rules = product_rules(policy, scaled_scopes=scaled)
+
+    def call_fn(args: tuple, kwargs: dict) -> Any:
+        # The function's floating arguments are its inputs, except Flax
+        # variables (a mapping with "params"): modules cast their parameters
+        # themselves, and `batch_stats` stay float32. Cast inside the traced
+        # program, what comes back from an argument is seen to.
+        variables = [k for k in (*range(len(args)), *kwargs) if _is_variables((args, kwargs), k)]
+        keeps = lambda k: keep(k) or k in variables  # noqa: E731
+        cast_args, cast_kwargs = casting.cast_inputs(policy, args, kwargs, keeps)
+        out = fn(*cast_args, **cast_kwargs)
+        _check_bound_as_variables(variables, args, kwargs, _CALL.get())
+        return out
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        _refuse_nnx_modules(args, kwargs)
+        call = _Call(frozenset(), rewrite=True, top=False)
+        with _calling(policy, call, interceptor, (args, kwargs) if scaled else ()):
+            out, flow = trace_and_eval(call_fn, (args, kwargs), op_rules, flow=True)
+        return to_output(out, flow)
+
+    return wrapped
+
+
+def _is_variables(args_kwargs: tuple[tuple, dict], key: int | str) -> bool:
+    args, kwargs = args_kwargs
+    value = args[key] if isinstance(key, int) else kwargs[key]
+    return isinstance(value, Mapping) and "params" in value
+
+
+def _check_bound_as_variables(keys: list, args: tuple, kwargs: dict, call: _Call) -> None:
+    """Raises unless each argument left uncast as Flax variables was a model's variables:
+    its arrays, or (through a `jax.jit`) variables of its structure and shapes."""
+    for key in keys:
+        value = args[key] if isinstance(key, int) else kwargs[key]
+        ids, layout = _identity(value)
+        if ids and not any(ids & seen or layout == same for seen, same in call.bound.values()):
+            raise TypeError(
+                f"with_policy took argument {key!r} (a mapping with a 'params' entry) for "
+                "Flax variables and left it in its dtypes, but no linen model was applied "
+                "to it. If it is not a model's variables, cast it yourself "
+                "(policy.cast_to_compute) or pass its entries under other names."
+            )
+
+
+def _refuse_nnx_modules(args: tuple, kwargs: dict) -> None:
+    for leaf in jax.tree.leaves((args, kwargs), is_leaf=lambda x: isinstance(x, nnx.Module)):
+        if isinstance(leaf, nnx.Module):
+            raise TypeError(
+                f"jmp_policy.with_policy got the NNX module {type(leaf).__name__} as an "
+                "argument; an NNX model takes its policy from "
+                "jmp_policy.nnx.with_policy(model, policy) or jmp_policy.nnx.PolicyModule."
+            )
