@@ -1,0 +1,76 @@
+"""Every Flax private API the linen integration reads, checked against the installed Flax.
+
+`jmp_policy/integrations/linen/flax_internals.py` is the one module that
+touches what Flax does not promise to keep (as `core/jax_internals.py` is for
+JAX); each of its reads has a probe here. A Flax release that moves one fails
+here, before a feature quietly does without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+import flax.linen as nn
+import flax.linen.module
+import flax.linen.transforms
+import jax
+import jax.numpy as jnp
+
+from jmp_policy.integrations.linen import flax_internals as fi
+
+
+def test_nn_jit_keys_its_traces_on_hashable_proxy_from_module():
+    # Patched when the linen integration is imported.
+    proxy = flax.linen.transforms._HashableProxy
+    assert getattr(proxy.from_module, "_jmp_policy", False)
+    key = proxy.from_module(nn.Dense(2))
+    assert dataclasses.is_dataclass(key) and hash(key) == key.hash_key
+    assert dataclasses.replace(key, hash_key=1) == dataclasses.replace(key, hash_key=1)
+
+
+def test_interceptors_are_set_aside_from_the_global_stack_and_put_back():
+    seen = []
+
+    def interceptor(next_fun, args, kwargs, context):
+        seen.append(context.method_name)
+        return next_fun(*args, **kwargs)
+
+    model, x = nn.Dense(2), jnp.ones((1, 3))
+    with nn.intercept_methods(interceptor):
+        with fi.interceptors_set_aside():
+            assert len(flax.linen.module._global_interceptor_stack) == 0
+            model.init(jax.random.key(0), x)
+        assert seen == []
+        assert len(flax.linen.module._global_interceptor_stack) == 1
+        model.init(jax.random.key(0), x)
+    assert seen
+
+
+def test_a_scan_body_scope_names_scan_in_its_debug_path():
+    paths = []
+
+    class Body(nn.Module):
+        @nn.compact
+        def __call__(self, carry, x):
+            paths.append(fi.debug_path(self.scope))
+            return carry + nn.Dense(2)(x), x
+
+    scan = nn.scan(Body, variable_broadcast="params", split_rngs={"params": False})
+    scan().init(jax.random.key(0), jnp.ones((2,)), jnp.ones((4, 2)))
+    assert any(p and "scan(" in p[-1] for p in paths), paths
+
+
+def test_no_module_but_the_seam_reads_flax_internals():
+    package = pathlib.Path(fi.__file__).resolve().parents[2]
+    private = re.compile(
+        r"_HashableProxy|_global_interceptor_stack|(?<!flax_internals)\.debug_path|['\"]debug_path"
+    )
+    found = [
+        f"{path.relative_to(package)}: {match.group()}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "flax_internals.py"
+        for match in private.finditer(path.read_text())
+    ]
+    assert found == []
