@@ -57,8 +57,8 @@ def interceptors_set_aside() -> Iterator[None]:
     """Flax's method interceptors set aside: the abstract `init` is not the caller's call.
 
     Relies on `flax.linen.module._global_interceptor_stack`, where
-    `nn.intercept_methods` keeps them (with `len`, `pop` and `push`). Where it
-    is gone, they stay (`test_user_interceptors_see_each_norm_once` says so).
+    `nn.intercept_methods` keeps them (with `len`, `pop` and `push`). If it
+    moves, they see that `init` (`test_user_interceptors_see_each_norm_once` says so).
     """
     stack = getattr(flax.linen.module, "_global_interceptor_stack", None)
     if stack is None:
