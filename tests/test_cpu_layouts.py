@@ -185,6 +185,26 @@ def test_every_layout_runs_under_a_mesh(reference):
             assert _rel_err(grads[name][i], want_grads[name][i]) < tol, (name, "backward", i)
 
 
+def test_a_product_sharded_on_an_explicit_mesh_runs_as_jax_shards_it():
+    # Explicit axes: the form's reshapes would merge a sharded dimension,
+    # so the dot runs as written there, and its gradient as JAX shards it.
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    explicit = (jax.sharding.AxisType.Explicit,)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=explicit, devices=jax.devices()[:2])
+    x = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P("data", None)))
+    w = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, P()))
+    with jax.set_mesh(mesh):
+
+        def loss(x, w):
+            return (jmp.autocast(lambda x, w: x @ w, "mixed_bfloat16")(x, w) ** 2).sum()
+
+        gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    np.testing.assert_allclose(np.asarray(gw), np.full((8, 3), 64.0))
+    assert gx.shape == x.shape
+
+
 @pytest.mark.parametrize("policy", ["autocast bf16", "m=f16", "mixed_float8"])
 def test_every_product_of_the_program_is_a_half_or_fp8_product(policy):
     # The numerics above could also come from float32 products: the CPU

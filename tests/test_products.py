@@ -486,3 +486,15 @@ def test_a_third_partys_fields_that_must_agree_run_as_written():
     # A model's own error, there with its fields as written too, is raised unchanged.
     with pytest.raises(TypeError, match="contracting dimensions"):
         jmp.with_policy(linen.apply, "mixed_bfloat16")(variables, jnp.ones((2, 3)))
+
+    class Refuses(LinenCheckedAttention):
+        @nn.compact
+        def __call__(self, x):
+            try:
+                int("not a number")
+            except ValueError as cause:
+                raise RuntimeError("the model's own") from cause
+
+    with pytest.raises(RuntimeError, match="the model's own") as info:
+        jmp.with_policy(Refuses().apply, "mixed_bfloat16")(variables, X)
+    assert isinstance(info.value.__cause__, ValueError)  # Its cause kept, not the retry's.

@@ -378,9 +378,10 @@ def _apply(eqn, invals, rules):
         args = _as_original(eqn, invals)
         args[0], args[at] = invals[0], cast(args[at], invals[0].dtype)
         return ji.bind(eqn, args)
-    if name in MOVES_DATA and is_float(invals[0]):
+    if rules.only_products and name in MOVES_DATA and is_float(invals[0]):
         # Moved, not computed on: a buffer read in its own dtype (a half cache
         # given to a program traced in float32) is written back in it.
+        # (`autocast`'s own lists promote these.)
         return ji.bind(eqn, [invals[0], *_as_original(eqn, invals)[1:]])
     floats = [i for i, x in enumerate(invals) if is_float(x)]
     if not floats or not (name in rules.half or name in rules.float32 or name in rules.promote):

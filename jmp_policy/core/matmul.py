@@ -71,7 +71,7 @@ def dot_product(dimension_numbers: Any, precision: Any = None, out_sharding: Any
             # FP8 operands go into the dot as they are: an algorithm preset
             # (F16_F16_F32) would have JAX convert them to its input type.
             return dot(a, b, pet, _without_algorithm(precision))
-        half_to_f32 = a.dtype in HALF_DTYPES and pet == F32
+        half_to_f32 = a.dtype in HALF_DTYPES and pet == F32 and not _explicit(out_sharding)
         if not (half_to_f32 and _CPU_BF16_DOT_WORKAROUND):
             return dot(a, b, pet)
         cpu = functools.partial(
@@ -80,6 +80,13 @@ def dot_product(dimension_numbers: Any, precision: Any = None, out_sharding: Any
         return lax.platform_dependent(a, b, cpu=cpu, default=functools.partial(dot, pet=pet))
 
     return product
+
+
+def _explicit(sharding: Any) -> bool:
+    """Whether `sharding` is on a mesh with explicit axes: the form's reshapes
+    would merge dimensions JAX keeps sharded by type, so the dot runs as written."""
+    mesh = getattr(sharding, "mesh", None)
+    return jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
 
 
 def _without_algorithm(precision: Any) -> Any:
@@ -96,7 +103,7 @@ CPU_FORM_SCOPE = "jmp_policy_cpu_dot"
 def _cpu_dot(lhs, rhs, dims, precision, out_sharding):
     """The dot as one [B, K, M] x [B, K, N] product: the form XLA:CPU always ran,
     its result laid out as the dot's (`out_sharding`, which JAX's own
-    transposes of a dot under a mesh give)."""
+    transposes of a dot under a mesh of automatic axes give)."""
     (lc, rc), (lb, rb) = dims
     lf = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
     rf = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]

@@ -66,7 +66,13 @@ def is_flax_module(module: Any) -> bool:
 
 
 # Flax's module base classes: a layer derived from them alone is a third party's.
-_MODULE_BASES = frozenset(nn.Module.__mro__) | frozenset(nnx.Module.__mro__)
+_MODULE_BASES = (
+    frozenset(nn.Module.__mro__)
+    | frozenset(nnx.Module.__mro__)
+    | frozenset(nnx.bridge.Module.__mro__)
+)
+# Where Flax makes the classes of lifted modules (`nn.scan`, `nn.remat`, ...).
+_LIFTED = "flax.linen.transforms"
 
 
 def is_flax_layer(module: Any) -> bool:
@@ -80,10 +86,6 @@ def is_flax_layer(module: Any) -> bool:
         and c.__module__ != _LIFTED  # `nn.scan(Block)`: the block's own class decides
         for c in type(module).__mro__
     )
-
-
-# Where Flax makes the classes of lifted modules (`nn.scan`, `nn.remat`, ...).
-_LIFTED = "flax.linen.transforms"
 
 
 def run_as_written(error: Exception, run: Callable[[], T], model: Any) -> T:
@@ -101,7 +103,11 @@ def run_as_written(error: Exception, run: Callable[[], T], model: Any) -> T:
     try:
         out = run()
     except Exception:
-        raise error from None
+        failed = True
+    else:
+        failed = False
+    if failed:
+        raise error  # Outside the handler: its cause and context as they were.
     warnings.warn(
         f"jmp_policy: {type(model).__name__} fails with the policy's dtypes in its own "
         f"modules' fields ({type(error).__name__}: {error}); it runs with them as written, "

@@ -38,7 +38,7 @@ from jmp_policy.core.interpreter import flow_recording_runner, product_scope
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
 from jmp_policy.core.policy import Policy, get_policy
-from jmp_policy.core.state import ReturnsState, as_given, cast_results
+from jmp_policy.core.state import Flow, ReturnsState, as_given, cast_results
 from jmp_policy.integrations import casting
 from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_names
 
@@ -79,7 +79,7 @@ def _configure(module: nnx.Module, policy: Policy) -> dict[str, Any]:
     }
     had = {}
     for name, value in overrides.items():
-        if name in vars(module):
+        if name in vars(module) and getattr(module, name) is not value:
             had[name] = getattr(module, name)
             setattr(module, name, value)
     return had
@@ -433,15 +433,17 @@ class PolicyModule(nnx.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return self._call(args, kwargs, ())
+            out, flow = self._traced(args, kwargs, ())
         except Exception as error:
             if not self._as_written:
                 raise
-            return casting.run_as_written(
-                error, lambda: self._call(args, kwargs, self._as_written), self.module
+            out, flow = casting.run_as_written(
+                error, lambda: self._traced(args, kwargs, self._as_written), self.module
             )
+        return cast_results(out, flow, self.policy.cast_to_output, returns_state=self.returns_state)
 
-    def _call(self, args: tuple, kwargs: dict, as_written: tuple) -> Any:
+    def _traced(self, args: tuple, kwargs: dict, as_written: tuple) -> tuple[Any, Flow]:
+        """The module's result, run through the engine (its state written back), and its flow."""
         run, flows = flow_recording_runner(self._rules)
         try:
             # Inputs cast inside the traced program: what comes back from one is seen to.
@@ -457,8 +459,7 @@ class PolicyModule(nnx.Module):
                 "cast the carry back in the loop body (e.g. `return block(x).astype(x.dtype)`), "
                 "or drop the rule."
             ) from e
-        flow = flows[-1].called_with(args)
-        return cast_results(out, flow, self.policy.cast_to_output, returns_state=self.returns_state)
+        return out, flows[-1].called_with(args)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,7 +77,8 @@ def collections_as_given(collections: Any, variables: Any) -> Any:
     the dtype it was given (`jmp_policy.core.state.as_given`)."""
     if not isinstance(collections, Mapping) or not isinstance(variables, Mapping):
         return collections
-    return as_given(flax.core.unfreeze(dict(collections)), flax.core.unfreeze(dict(variables)))
+    kept = as_given(flax.core.unfreeze(dict(collections)), flax.core.unfreeze(dict(variables)))
+    return flax.core.freeze(kept) if isinstance(collections, flax.core.FrozenDict) else kept
 
 
 def apply_keeping_variables(run: Callable, fn: Callable, args: tuple, kwargs: dict) -> Any:

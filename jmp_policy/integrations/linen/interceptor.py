@@ -77,7 +77,8 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
             module, context.method_name, configured=bool(call.configured), named=named
         )
         overrides = casting.attribute_overrides(module, own, keep_dtype=as_built)
-        if overrides and not casting.is_flax_layer(module):
+        changes = any(getattr(module, k) is not v for k, v in overrides.items())
+        if changes and not casting.is_flax_layer(module):
             if call.as_written:
                 overrides = {}
             call.set_third_party_fields = True

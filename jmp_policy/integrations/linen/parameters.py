@@ -66,7 +66,10 @@ def _made_dtypes(
                 # its parameters are made alike with the cache in float32.
                 if not jax_internals.is_write_dtype_mismatch(e):
                     raise
-                shapes = _shapes_of(init, *_widened((args, kwargs)))
+                try:
+                    shapes = _shapes_of(init, *_widened((args, kwargs)))
+                except Exception:
+                    raise e from None  # The refused write, as `_own_draws` says it.
     except Exception as e:  # Raised unchanged (a user's own error), with where it arose.
         call.set_third_party_fields = made.set_third_party_fields
         e.add_note(
