@@ -6,6 +6,7 @@
   global blocks are empty (zero-size products).
 * `recommend_fp8_rules` on BERT: its rules name BERT's modules, and applied
   they bring the output within the tolerance.
+* BERT through `with_policy` and `autocast`: the same dtype in every product.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import contractions
 
 import jmp_policy as jmp
 
@@ -109,3 +111,40 @@ def test_fp8_doctor_on_bert(transformers):
     got = jax.jit(jmp.with_policy(apply, "mixed_float8", rules=r.rules))(params, ids)
     want = apply(params, ids)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) <= 0.03
+
+
+@pytest.mark.parametrize(
+    "policy",
+    ["mixed_bfloat16", "mixed_float16", "p=f32,c=bf16,o=f32,m=bf16", "mixed_float8", "mixed_mxfp8"],
+)
+def test_bert_products_take_one_dtype_through_with_policy_and_autocast(transformers, policy):
+    # One engine decides: BERT's linen module through `with_policy` and its
+    # apply function through `autocast` lower to the same operand dtypes in
+    # every product; under `mixed_bfloat16`, those of Hugging Face's own
+    # `dtype=bfloat16`.
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=32,
+    )  # fmt: skip
+    model = transformers.FlaxBertModel(config, seed=0)
+    variables = {"params": model.params}
+    ids = (jnp.arange(2 * 16, dtype=jnp.int32).reshape(2, 16) * 7) % 64
+    mask, types, positions = jnp.ones_like(ids), jnp.zeros_like(ids), jnp.arange(16)[None]
+
+    def lowered_products(apply):
+        def forward(variables):
+            out = apply(variables, ids, mask, types, positions, None, deterministic=True)
+            return out.last_hidden_state
+
+        text = jax.jit(forward).lower(variables).as_text()
+        return sorted(op.operand_types for op in contractions(text))
+
+    through_with_policy = lowered_products(jmp.with_policy(model.module.apply, policy))
+    through_autocast = lowered_products(jmp.autocast(model.module.apply, policy))
+    assert through_with_policy == through_autocast
+    assert len(through_with_policy) >= 8  # q, k, v, scores, values, out, MLP, pooler
+    if policy == "mixed_bfloat16":
+        own = transformers.FlaxBertModel(config, seed=0, dtype=jnp.bfloat16).module
+        own_products = lowered_products(own.apply)
+        assert through_with_policy == own_products  # every one bf16 x bf16
+        assert set(own_products) == {("bf16", "bf16")}
