@@ -20,8 +20,8 @@ from typing import Any
 
 import jax
 
-from jmp_policy.core.block_scaling import HADAMARD_SCOPE
-from jmp_policy.core.matmul import CPU_FORM_SCOPE
+from jmp_policy.engine.products.block_scaling import HADAMARD_SCOPE
+from jmp_policy.engine.products.cpu_form import SCOPE as CPU_FORM_SCOPE
 
 _DOT = re.compile(r"stablehlo\.dot_general.* : \((.*)\) -> (.*)$")
 _FUNC = re.compile(r"func\.func (?:public |private )?@([\w.$-]+)\(")

@@ -3,7 +3,7 @@
 XLA:CPU rejects some bf16 x bf16 -> f32 dots ("Unsupported element type for
 DotThunk::Execute"), so on the CPU platform jmp_policy emits every
 half x half -> f32 product as one 3-D dot with a leading batch dimension
-(`jmp_policy/core/matmul.py`). This benchmark times that form against the
+(`jmp_policy/engine/products/cpu_form.py`). This benchmark times that form against the
 dot as written, where the dot as written runs, and reports where it fails:
 
   dense fwd / dx / dw   the three products of a Dense layer's train step,
@@ -43,7 +43,8 @@ import optax
 from jax import lax
 
 import jmp_policy
-from jmp_policy.core import matmul
+from jmp_policy.engine.products import cpu_form as cpu_form_module
+from jmp_policy.engine.products import half as matmul
 
 M_BF16 = "p=f32,c=bf16,o=f32,m=bf16"
 FORMS = ("float32", "as written", "CPU form")
@@ -52,12 +53,12 @@ FORMS = ("float32", "as written", "CPU form")
 @contextlib.contextmanager
 def cpu_form(on: bool) -> Iterator[None]:
     """Traces inside take (or skip) the CPU form of half products."""
-    saved = matmul._CPU_BF16_DOT_WORKAROUND
-    matmul._CPU_BF16_DOT_WORKAROUND = on
+    saved = cpu_form_module._CPU_BF16_DOT_WORKAROUND
+    cpu_form_module._CPU_BF16_DOT_WORKAROUND = on
     try:
         yield
     finally:
-        matmul._CPU_BF16_DOT_WORKAROUND = saved
+        cpu_form_module._CPU_BF16_DOT_WORKAROUND = saved
 
 
 def _compiled(on: bool, fn: Callable, *args: Any) -> Callable[[], Any]:

@@ -57,7 +57,7 @@ import optax
 
 import jmp_policy
 from jmp_policy.app import transformer_lm
-from jmp_policy.core.autocast import clear_shared_traces
+from jmp_policy.engine.interpreter import clear_shared_traces
 from transformer import train_step
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,10 +11,10 @@ and `plot_histogram` (matplotlib) load their dependencies on first use.
 import sys
 from typing import TYPE_CHECKING, Any
 
-from jmp_policy.core.autocast import FLOAT32_PRIMITIVES
-from jmp_policy.core.autocast import HALF_PRIMITIVES
-from jmp_policy.core.autocast import PROMOTE_PRIMITIVES
-from jmp_policy.core.autocast import autocast
+from jmp_policy.engine.decision import FLOAT32_PRIMITIVES
+from jmp_policy.engine.decision import HALF_PRIMITIVES
+from jmp_policy.engine.decision import PROMOTE_PRIMITIVES
+from jmp_policy.integrations.autocast import autocast
 from jmp_policy.core.diagnostics import GradientReport
 from jmp_policy.core.diagnostics import diagnose
 from jmp_policy.core.half_params import HalfParamState
@@ -29,10 +29,10 @@ from jmp_policy.core.loss_scale import select_tree
 from jmp_policy.core.loss_scaled import LossScaledState
 from jmp_policy.core.loss_scaled import get_loss_scale
 from jmp_policy.core.loss_scaled import loss_scaled
-from jmp_policy.core.fp8 import fp8_dot_general
-from jmp_policy.core.residuals import fp8_residuals
-from jmp_policy.core.matmul import half_conv_general_dilated
-from jmp_policy.core.matmul import half_dot_general
+from jmp_policy.engine.products.fp8 import fp8_dot_general
+from jmp_policy.engine.residuals import fp8_residuals
+from jmp_policy.engine.products.half import half_conv_general_dilated
+from jmp_policy.engine.products.half import half_dot_general
 from jmp_policy.core.policy import Policy
 from jmp_policy.core.policy import cast_to_full
 from jmp_policy.core.policy import cast_to_half
@@ -90,7 +90,7 @@ def _equinox_state_reader(fn, kwargs, result):
     return state_in_result(result)
 
 
-from jmp_policy.core.autocast import register_state_handler, register_state_reader  # noqa: E402
+from jmp_policy.integrations.autocast import register_state_handler, register_state_reader  # noqa: E402
 from jmp_policy.integrations.flax_serialization import register_when_flax_loads  # noqa: E402
 
 # Linen's first: the NNX handler runs every call that holds no NNX module.

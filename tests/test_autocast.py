@@ -666,9 +666,12 @@ def test_products_inside_a_users_custom_vjp_take_the_policy(policy, half):
     assert error(got, want) <= 1.5 * error(plain_grad, jax.grad(plain, argnums=(0, 1))(x, w))
 
 
-def test_jmp_policys_own_products_in_an_autocast_are_not_rewritten_again():
-    x, w = jnp.ones((4, 8)), jnp.ones((8, 8)) / 8
-    inner = autocast(lambda x, w: x @ w, "mixed_float8")
+@pytest.mark.parametrize("inner_policy", ["p=f32,c=f32,o=f32,m=bf16", "mixed_float8", "mixed_mxfp8"])
+def test_jmp_policys_own_products_in_an_autocast_are_not_rewritten_again(inner_policy):
+    # Half, FP8 and block-scaled products, each a `custom_vjp` the engine made:
+    # an outer autocast leaves them as decided.
+    x, w = jnp.ones((4, 32)), jnp.ones((32, 32)) / 32
+    inner = autocast(lambda x, w: x @ w, inner_policy)
     once = [op for op in lowered_ops(jax.grad(lambda x, w: inner(x, w).sum(), (0, 1)), x, w)]
     twice = lowered_ops(jax.grad(lambda x, w: autocast(inner, MIXED)(x, w).sum(), (0, 1)), x, w)
     assert [(op.name, op.operand_types) for op in twice if op.name == "dot_general"] == [

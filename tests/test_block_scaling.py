@@ -30,8 +30,8 @@ from jax import lax
 
 import jmp_policy as jmp
 import jmp_policy.nnx as jnnx
-from jmp_policy.core import block_scaling
 from jmp_policy.core.diagnostics import saved_residuals
+from jmp_policy.engine.products import block_scaling
 
 F32 = np.dtype(np.float32)
 BF16 = np.dtype(jnp.bfloat16)
@@ -410,7 +410,7 @@ def _second_order_through_attention():
 
 
 def test_differentiation_depth_counts_nested_derivatives():
-    from jmp_policy.core.residuals import differentiation_depth
+    from jmp_policy.engine.residuals import differentiation_depth
 
     seen = []
 

@@ -5,7 +5,7 @@ element type for DotThunk::Execute: BF16 x BF16 = F32"), depending on the
 layout and the sizes, on CPUs with and without AVX512-BF16 alike; JAX
 refuses to lower the F16_F16_F32 algorithm that `jax.nn.dot_product_attention`
 asks for. jmp_policy emits every half product on the CPU platform in a form
-XLA:CPU runs (`jmp_policy/core/matmul.py`). Here each policy that makes half
+XLA:CPU runs (`jmp_policy/engine/products/half.py`). Here each policy that makes half
 or FP8 products (`autocast` in bf16 and f16, `m=bf16`, `m=f16`,
 `mixed_float8`) runs one function holding a product of every layout:
 `dot_general` with either operand transposed, batch dimensions leading, in
@@ -28,7 +28,7 @@ import pytest
 from jax import lax
 
 import jmp_policy as jmp
-from jmp_policy.core import matmul
+from jmp_policy.engine.products import cpu_form
 
 from helpers import compiler_options, lowered_ops
 
@@ -224,7 +224,7 @@ def test_without_the_cpu_form_the_layouts_fail(monkeypatch):
     # The bug this file guards against, shown on this jaxlib: with the CPU form
     # off, the same bfloat16 products fail to run (or, if XLA:CPU has been
     # fixed, the form could go: then this test says so and skips).
-    monkeypatch.setattr(matmul, "_CPU_BF16_DOT_WORKAROUND", False)
+    monkeypatch.setattr(cpu_form, "_CPU_BF16_DOT_WORKAROUND", False)
     fn = forward_and_backward(jmp.autocast(lambda ops: products(ops), POLICIES["m=bf16"][0]))
     try:
         jax.block_until_ready(run_compiled(fn, OPERANDS))
@@ -239,7 +239,7 @@ def test_without_the_cpu_form_the_layouts_fail(monkeypatch):
 
 
 def test_the_cpu_form_can_be_turned_off_by_the_environment():
-    from jmp_policy.core.matmul import cpu_bf16_dot_workaround
+    from jmp_policy.engine.products.cpu_form import cpu_bf16_dot_workaround
 
     assert cpu_bf16_dot_workaround({}) is True  # The default, on every CPU.
     assert cpu_bf16_dot_workaround({"JMP_POLICY_CPU_BF16_DOT_WORKAROUND": "0"}) is False

@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import contractions
 
 import jmp_policy as jmp
+
+from helpers import contractions
 
 HF = pathlib.Path(__file__).resolve().parent.parent / ".venv" / "hf"
 pytestmark = [

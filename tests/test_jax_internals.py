@@ -41,7 +41,7 @@ def test_every_internal_has_a_probe():
         "inlined jit",
         "jnp.einsum's _dot_general",
         "the forward-mode error of a custom_vjp",
-        "custom_vjp_call: its primal program and where its function is",
+        "custom_vjp_call: its primal program and its backward rule",
         "the loop-carry type error",
         "the dtype-mismatch errors",
         "writes of another float dtype: their errors",

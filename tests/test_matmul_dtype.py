@@ -36,7 +36,7 @@ from jax import lax
 import jmp_policy as jmp
 import jmp_policy.nnx as jnnx
 from jmp_policy.app import transformer_lm
-from jmp_policy.core.fp8 import E4M3_MAX, E5M2_MAX, fp8_scale
+from jmp_policy.engine.products.fp8 import E4M3_MAX, E5M2_MAX, fp8_scale
 
 from helpers import hlo_ops, import_benchmark, load_script, lowered_ops
 

@@ -281,7 +281,7 @@ def test_every_public_function_and_method_is_fully_annotated():
 
 
 def test_a_deprecation_warning_from_jmp_policy_code_is_an_error():
-    for module in ("jmp_policy", "jmp_policy.core.autocast"):
+    for module in ("jmp_policy", "jmp_policy.integrations.autocast"):
         with pytest.raises(DeprecationWarning, match="going away"):
             warnings.warn_explicit("going away", DeprecationWarning, "x.py", 1, module=module)
 
@@ -305,3 +305,33 @@ def test_no_private_jax_import_and_no_reference_to_documents_outside_the_reposit
         if word in path.read_text()
     ]
     assert found == []
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    # core (jax, numpy, optax) < engine (where every dtype is decided) <
+    # integrations (the front ends, the only place Flax is imported) < app.
+    below = {
+        "core": ("jmp_policy.core",),
+        "engine": ("jmp_policy.core", "jmp_policy.engine"),
+        "integrations": ("jmp_policy.core", "jmp_policy.engine", "jmp_policy.integrations"),
+    }
+    package = ROOT / "jmp_policy"
+    for layer, allowed in below.items():
+        for path in sorted((package / layer).rglob("*.py")):
+            imported = _imports(path)
+            own = {m for m in imported if m == "jmp_policy" or m.startswith("jmp_policy.")}
+            assert all(m.startswith(allowed) for m in own), (path, sorted(own))
+            if layer != "integrations":
+                assert not any(m.split(".")[0] in ("flax", "equinox") for m in imported), path

@@ -355,7 +355,7 @@ def _scaled_jvp(primals, tangents):
 def test_a_call_holding_a_custom_jvp_is_rewritten_for_the_products_of_its_rule():
     # A call whose program shows no product may still hold one in a
     # custom_jvp's rule: it must not be left as traced.
-    from jmp_policy.core.autocast import matmuls_in
+    from jmp_policy.engine.interpreter import matmuls_in
 
     h = matmuls_in(jax.jit(_scaled), jnp.bfloat16)
     w = jnp.ones((8, 8))

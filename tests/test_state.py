@@ -1,6 +1,6 @@
 """What every front end returns as state (in the dtype it came in) and as results.
 
-The rule (`jmp_policy.core.state`) reads the traced program: a returned array
+The rule (`jmp_policy.engine.data_flow`) reads the traced program: a returned array
 built from an argument by buffer operations (written, grown, selected, cast,
 passed through, a loop's carry) keeps that argument's dtype; a function
 traced as a loop's body keeps its carry's dtypes; every other floating
@@ -25,7 +25,7 @@ from jax import lax
 import jmp_policy as jmp
 import jmp_policy.nnx
 from jmp_policy import autocast
-from jmp_policy.core.state import Flow, buffer_sources, cast_results
+from jmp_policy.engine.data_flow import Flow, buffer_sources, cast_results
 
 F32, BF16, F16 = np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)
 HALF_OUT = "c=bf16"  # float32 parameters, bfloat16 compute and output

@@ -24,7 +24,9 @@ import numpy as np
 import pytest
 
 import jmp_policy as jmp
-from jmp_policy.core import autocast, interpreter, matmul
+from jmp_policy.engine import interpreter
+from jmp_policy.engine.products import cpu_form
+from jmp_policy.engine.products import half as matmul
 
 from helpers import assert_bitwise_equal, lowered_ops
 
@@ -114,10 +116,10 @@ def test_the_cpu_form_setting_is_not_reused_across(monkeypatch):
 
     def scopes():
         text = grad().lower(w).as_text(debug_info=True)
-        return text.count(matmul.CPU_FORM_SCOPE)
+        return text.count(cpu_form.SCOPE)
 
     assert scopes() > 0  # The CPU form, on by default, traced first ...
-    monkeypatch.setattr(matmul, "_CPU_BF16_DOT_WORKAROUND", False)
+    monkeypatch.setattr(cpu_form, "_CPU_BF16_DOT_WORKAROUND", False)
     assert scopes() == 0  # ... is not what a trace with it off gets.
 
 
@@ -173,7 +175,7 @@ def test_matmul_rewrite_reaches_the_products_of_a_custom_jvp_rule():
         (x,), (t,) = primals, tangents
         return prefix_sum(x), t @ jnp.triu(jnp.ones((x.shape[-1],) * 2, x.dtype))
 
-    f = autocast.matmuls_in(lambda x: jnp.sum(jnp.sin(prefix_sum(x))), jnp.bfloat16)
+    f = interpreter.matmuls_in(lambda x: jnp.sum(jnp.sin(prefix_sum(x))), jnp.bfloat16)
     x = jnp.linspace(0, 1, 8).reshape(2, 4)
     dots = [
         op
@@ -215,8 +217,10 @@ def test_nnx_attention_of_every_layer_shares_one_rewrite():
 
     x = jax.random.normal(jax.random.key(1), (2, 8, WIDTH))
     model = nnx_attention_stack(3, "p=f32,c=bf16,o=f32,m=bf16")
-    autocast.clear_shared_traces()
-    with mock.patch.object(autocast, "trace_and_eval", wraps=autocast.trace_and_eval) as traced:
+    interpreter.clear_shared_traces()
+    with mock.patch.object(
+        interpreter, "trace_and_eval", wraps=interpreter.trace_and_eval
+    ) as traced:
         jax.make_jaxpr(lambda x: model(x))(x)
     assert traced.call_count == 1  # Three layers' attention, one rewrite.
 
@@ -226,7 +230,7 @@ def test_nnx_attention_of_every_layer_shares_one_rewrite():
         return jax.jit(jax.grad(loss, argnums=(0, 1))), params
 
     shared_fn, params = grads(model)
-    with mock.patch.object(autocast, "_shared_rewrite", return_value=NotImplemented):
+    with mock.patch.object(interpreter, "_shared_rewrite", return_value=NotImplemented):
         unshared_fn, _ = grads(model)
         unshared_ops = lowered_ops(unshared_fn, params, x)
         unshared = unshared_fn(params, x)
@@ -268,7 +272,7 @@ def test_an_attention_that_reads_a_variable_is_never_stale():
     x = jax.random.normal(jax.random.key(1), (2, 4, WIDTH))
     plain = Model(nnx.Rngs(0))
     model = jmp.nnx.PolicyModule(plain, "p=f32,c=bf16,o=f32,m=bf16")  # A copy of `plain`.
-    autocast.clear_shared_traces()
+    interpreter.clear_shared_traces()
     # Two jitted functions, each traced once (NNX bakes a closure's value in).
     jitted = [nnx.jit(lambda m, x: m(x)), nnx.jit(lambda m, x: m(x) * 1.0)]
     before = plain(x)
@@ -281,7 +285,7 @@ def test_an_attention_that_reads_a_variable_is_never_stale():
         for out in outs:
             np.testing.assert_allclose(out, want, atol=0.05)
     assert float(jnp.max(jnp.abs(want - before))) > 0.5  # The bias moves the output.
-    assert not any(autocast._SHARED_REWRITES.values())  # Nothing of it was shared.
+    assert not any(interpreter._SHARED_REWRITES.values())  # Nothing of it was shared.
 
 
 # What an attention function may read besides its arguments: a Python module's
@@ -315,7 +319,7 @@ def test_an_attention_that_reads_a_global_setting_is_never_stale(setting):
         2, WIDTH, decode=False, attention_fn=tempered_attention, rngs=nnx.Rngs(0)
     )
     model = jmp.nnx.PolicyModule(plain, "p=f32,c=bf16,o=f32,m=bf16")
-    autocast.clear_shared_traces()
+    interpreter.clear_shared_traces()
     outs, wants = [], []
     try:
         for value in (1.0, 2.0):
@@ -327,7 +331,7 @@ def test_an_attention_that_reads_a_global_setting_is_never_stale(setting):
     for out, want, other in zip(outs, wants, wants[::-1]):
         np.testing.assert_allclose(out, want, atol=0.1)  # bf16 products
         assert jnp.mean(jnp.abs(out - want)) < jnp.mean(jnp.abs(out - other)) / 4
-    assert not any(autocast._SHARED_REWRITES.values())
+    assert not any(interpreter._SHARED_REWRITES.values())
 
 
 def test_a_shared_rewrite_keeps_no_function_or_module_alive():
@@ -337,24 +341,24 @@ def test_a_shared_rewrite_keeps_no_function_or_module_alive():
     def f(x, w, activation, scale):
         return activation(x @ w) * scale
 
-    g = autocast.matmuls_in(f, jnp.bfloat16, shared=True)
+    g = interpreter.matmuls_in(f, jnp.bfloat16, shared=True)
     x, w = jnp.ones((4, WIDTH)), jnp.ones((WIDTH, WIDTH)) / WIDTH
-    autocast.clear_shared_traces()
+    interpreter.clear_shared_traces()
     out = jax.jit(lambda x, w: g(x, w, jnp.tanh, 2.0))(x, w)
     np.testing.assert_allclose(out, 2 * np.tanh(np.ones((4, WIDTH))), rtol=1e-2)
-    assert not autocast._SHARED_REWRITES.get(f)
+    assert not interpreter._SHARED_REWRITES.get(f)
     # Plain values are part of the signature: two scales, two shared rewrites.
-    h = autocast.matmuls_in(lambda x, w, scale: (x @ w) * scale, jnp.bfloat16, shared=True)
+    h = interpreter.matmuls_in(lambda x, w, scale: (x @ w) * scale, jnp.bfloat16, shared=True)
     jax.make_jaxpr(lambda x, w: h(x, w, 2.0) + h(x, w, 2.0) + h(x, w, 3.0))(x, w)
-    assert sum(map(len, autocast._SHARED_REWRITES.values())) == 2  # Scales 2.0 and 3.0.
+    assert sum(map(len, interpreter._SHARED_REWRITES.values())) == 2  # Scales 2.0 and 3.0.
     del h  # The cache holds its function weakly: gone with it.
     gc.collect()
-    assert sum(map(len, autocast._SHARED_REWRITES.values())) == 0
+    assert sum(map(len, interpreter._SHARED_REWRITES.values())) == 0
 
 
 def fp8_traces(depth):
     """How many backward equations the FP8 products' rewrite runs, tracing `depth` layers."""
-    from jmp_policy.core import fp8
+    from jmp_policy.engine.products import fp8
 
     matmul.clear_shared_products()
     with mock.patch.object(fp8, "_accumulate_in_float32", wraps=fp8._accumulate_in_float32) as seen:
@@ -363,7 +367,7 @@ def fp8_traces(depth):
 
 
 def test_identical_fp8_products_trace_once_and_stay_fp8():
-    from jmp_policy.core import fp8
+    from jmp_policy.engine.products import fp8
 
     one = fp8_traces(1)
     assert one > 0 and fp8_traces(6) == one

@@ -252,13 +252,9 @@ def custom_vjp_primal(eqn: JaxprEqn) -> ClosedJaxpr:
     return ClosedJaxpr(program, ())
 
 
-def custom_vjp_file(eqn: JaxprEqn) -> str | None:
-    """The file defining a `custom_vjp_call`'s function, where JAX records it."""
-    program = param(eqn, "call_jaxpr")
-    program = program.jaxpr if isinstance(program, ClosedJaxpr) else program
-    where = getattr(getattr(program, "debug_info", None), "func_src_info", None) or ""
-    _, at, place = where.rpartition(" at ")
-    return place.rpartition(":")[0] or None if at else None
+def custom_vjp_bwd(eqn: JaxprEqn) -> Callable | None:
+    """The backward rule a `custom_vjp_call` equation's function was given (`defvjp`)."""
+    return getattr(param(eqn, "bwd"), "f", None)
 
 
 def sub_jaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:

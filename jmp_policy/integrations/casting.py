@@ -12,12 +12,12 @@ on every layer, by hand) does in Flax:
   asked for by the user.
 * What goes in and comes back (a cache, a carry, a value passed through)
   keeps its dtype: the output dtype applies to a call's results only, by the
-  state rule of `jmp_policy.core.state`, which `autocast` uses too.
+  state rule of `jmp_policy.engine.data_flow`, which `autocast` uses too.
 * Under a matmul dtype every product takes it: Flax's dense layers through
   their `dot_general` hook (`matmul_overrides`, which also replaces a
   `dot_general` wired in by hand), every other product (`jnp.einsum`, `@`,
   attention, `nn.Einsum`, third-party layers) through the op-level rewrite of
-  `jmp_policy.core.autocast.matmuls_in`.
+  `jmp_policy.engine.interpreter.matmuls_in`.
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ from flax import nnx
 from jax import lax
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.autocast import matmuls_in
 from jmp_policy.core.dtypes import is_complex
-from jmp_policy.core.matmul_dtype import (
+from jmp_policy.core.policy import Policy
+from jmp_policy.engine.interpreter import matmuls_in
+from jmp_policy.engine.products.matmul_dtype import (
     asks_full_precision,
     matmul_dot_general,
     traced_dot_general,
 )
-from jmp_policy.core.policy import Policy
 
 T = TypeVar("T")
 

@@ -32,13 +32,13 @@ import numpy as np
 from flax import nnx
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.autocast import policy_products, product_rules
 from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES
-from jmp_policy.core.interpreter import flow_recording_runner, product_scope
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
 from jmp_policy.core.policy import Policy, get_policy
-from jmp_policy.core.state import Flow, ReturnsState, as_given, cast_results
+from jmp_policy.engine.data_flow import Flow, ReturnsState, as_given, cast_results
+from jmp_policy.engine.decision import policy_products, product_rules
+from jmp_policy.engine.interpreter import flow_recording_runner, product_scope
 from jmp_policy.integrations import casting
 from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_names
 
@@ -315,7 +315,7 @@ class PolicyModule(nnx.Module):
     policy, rules=rules)` as `.module` (a copy: `module` is left unchanged).
     Calling it calls the module and casts the floating results to the output
     dtype; state it returns keeps its dtype (a cache written or grown comes
-    back in the dtype it went in), by the rule of `jmp_policy.core.state`
+    back in the dtype it went in), by the rule of `jmp_policy.engine.data_flow`
     that linen's `with_policy` and `autocast` use too, read from the traced
     call; `returns_state` says it where the program cannot. The
     arguments are passed as given, as to the model's own half-precision
@@ -359,7 +359,7 @@ class PolicyModule(nnx.Module):
     Raises:
       TypeError, ValueError: as `with_policy`; TypeError if `keep_inputs` is
         not argument names, ValueError if it names an argument `module.__call__`
-        does not have; when called, as `jmp_policy.core.state.cast_results`
+        does not have; when called, as `jmp_policy.engine.data_flow.cast_results`
         for a `returns_state` that does not fit the result.
 
     >>> import jax, jax.numpy as jnp, optax

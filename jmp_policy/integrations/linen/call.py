@@ -19,9 +19,9 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jmp_policy.core.autocast import policy_products
 from jmp_policy.core.policy import Policy
-from jmp_policy.core.residuals import traced_for
+from jmp_policy.engine.decision import policy_products
+from jmp_policy.engine.residuals import traced_for
 from jmp_policy.integrations.linen import flax_internals
 
 # The policy of the module being called; children without a rule inherit it.

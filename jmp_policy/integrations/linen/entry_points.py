@@ -18,11 +18,11 @@ import numpy as np
 from flax import nnx
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.autocast import product_rules
 from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, is_float
-from jmp_policy.core.interpreter import trace_and_eval
 from jmp_policy.core.policy import Policy, get_policy
-from jmp_policy.core.state import Flow, ReturnsState, as_given, cast_results
+from jmp_policy.engine.data_flow import Flow, ReturnsState, as_given, cast_results
+from jmp_policy.engine.decision import product_rules
+from jmp_policy.engine.interpreter import trace_and_eval
 from jmp_policy.integrations import casting
 from jmp_policy.integrations.linen.arguments import _unwrap_partial
 from jmp_policy.integrations.linen.call import _Call, _calling
@@ -74,7 +74,7 @@ def state_in_result(fn: Callable, kwargs: dict) -> Any:
 
 def collections_as_given(collections: Any, variables: Any) -> Any:
     """The collections `apply` returns, each variable given in `variables` in
-    the dtype it was given (`jmp_policy.core.state.as_given`)."""
+    the dtype it was given (`jmp_policy.engine.data_flow.as_given`)."""
     if not isinstance(collections, Mapping) or not isinstance(variables, Mapping):
         return collections
     kept = as_given(flax.core.unfreeze(dict(collections)), flax.core.unfreeze(dict(variables)))
@@ -151,7 +151,7 @@ def with_policy(
     float32 carry), also where the caller set strict promotion.
 
     The result is split into results and state by the rule `jmp_policy.nnx`
-    and `autocast` use too (`jmp_policy.core.state`), read from the traced
+    and `autocast` use too (`jmp_policy.engine.data_flow`), read from the traced
     call: a cache written or grown, a carry or a value passed through comes
     back in the dtype it went in, wherever it sits in the result; every
     other floating result takes the output dtype; `returns_state` says it

@@ -14,9 +14,9 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 
-from jmp_policy.core.autocast import policy_products
-from jmp_policy.core.interpreter import product_scope
 from jmp_policy.core.policy import Policy
+from jmp_policy.engine.decision import policy_products
+from jmp_policy.engine.interpreter import product_scope
 from jmp_policy.integrations import casting
 from jmp_policy.integrations.linen.arguments import _keeper
 from jmp_policy.integrations.linen.call import _ACTIVE_POLICY, _CALL, _Call, _identity, _module_path

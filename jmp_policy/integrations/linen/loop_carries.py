@@ -7,7 +7,7 @@ from typing import Any
 
 import flax.linen as nn
 
-from jmp_policy.core.state import keep_carry
+from jmp_policy.engine.data_flow import keep_carry
 from jmp_policy.integrations.linen import flax_internals
 
 # Flax's lifted transforms name themselves in the debug path of the scope they

@@ -14,10 +14,10 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jmp_policy.core.autocast import product_rules
-from jmp_policy.core.interpreter import trace_and_eval
 from jmp_policy.core.policy import Policy
-from jmp_policy.core.state import Flow
+from jmp_policy.engine.data_flow import Flow
+from jmp_policy.engine.decision import product_rules
+from jmp_policy.engine.interpreter import trace_and_eval
 from jmp_policy.integrations import casting
 from jmp_policy.integrations.linen.arguments import _keeper
 from jmp_policy.integrations.linen.call import _CALL, _Call, _calling, _identity

@@ -18,9 +18,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import os
 import re
-import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,43 +27,20 @@ import jax
 import numpy as np
 
 from jmp_policy.core import jax_internals as ji
-from jmp_policy.core.block_scaling import block_scaled_product
 from jmp_policy.core.dtypes import F32 as _F32
 from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, cast, is_complex, is_float, widest
-from jmp_policy.core.fp8 import fp8_product
-from jmp_policy.core.matmul import accumulating_dot, accumulating_product, product_of
-from jmp_policy.core.matmul_dtype import asks_full_precision
-from jmp_policy.core.residuals import traced_for
-from jmp_policy.core.state import MOVES_DATA, buffer_sources, flow_of
-
-
-@dataclasses.dataclass(frozen=True)
-class Rules:
-    """Which operations run in which precision (see `autocast` for the sets)."""
-
-    compute_dtype: np.dtype
-    half: frozenset[str]
-    float32: frozenset[str]
-    promote: frozenset[str]
-    # "vjp": products through the custom VJP; "plain": lax products with
-    # float32 accumulation (inside JVP rules, whose tangent products JAX must
-    # transpose itself).
-    products: str = "vjp"
-    # The policy's matmul dtype: every dot_general takes its product (None:
-    # the compute dtype, as above).
-    matmul_dtype: np.dtype | None = None
-    # Under an FP8 or FP4 matmul dtype: its scaling ("tensor", "rowwise", "mxfp8", "nvfp4").
-    fp8_scaling: str = "tensor"
-    # Whether `product_scope` markers in a product's name stack choose its
-    # compute and matmul dtypes (the rules' own where there is none), and
-    # whether one may name an FP8 or FP4 matmul dtype.
-    scoped: bool = False
-    scaled_scopes: bool = False
-
-    @property
-    def only_products(self) -> bool:
-        """Only products are rewritten (`matmuls_in`); every other op runs as written."""
-        return not (self.float32 or self.promote)
+from jmp_policy.engine.data_flow import MOVES_DATA, buffer_sources, flow_of
+from jmp_policy.engine.decision import Rules, matmul_rules
+from jmp_policy.engine.products.fp8 import fp8_product
+from jmp_policy.engine.products.half import (
+    accumulating_dot,
+    accumulating_product,
+    clear_shared_products,
+    made_here,
+    product_of,
+)
+from jmp_policy.engine.products.matmul_dtype import asks_full_precision
+from jmp_policy.engine.residuals import residual_form, traced_for
 
 
 def _as_original(eqn, invals):
@@ -160,22 +135,14 @@ def _custom_jvp_rule(eqn, invals, rules):
     return f(*args)
 
 
-# jmp_policy's own products (half, FP8, block-scaled) are `custom_vjp`s already decided.
-_OWN_PRODUCTS = frozenset(
-    os.path.abspath(str(sys.modules[f.__module__].__file__))
-    for f in (accumulating_dot, fp8_product, block_scaled_product)
-)
-
-
 def _custom_vjp_rule(eqn, invals, rules):
     # A user's `custom_vjp`: its forward rewritten; its backward the user's
     # rule, rewritten too, from the inputs as residuals (it recomputes the
     # forward, as `jax.checkpoint` would).
     args = _as_original(eqn, invals)
     program = ji.custom_vjp_primal(eqn)
-    file = ji.custom_vjp_file(eqn)
     if (
-        (file is not None and os.path.abspath(file) in _OWN_PRODUCTS)
+        made_here(ji.custom_vjp_bwd(eqn))
         or not all(is_float(a) for a in (*program.in_avals, *program.out_avals))
         or _products_in(program.jaxpr, rules.half) == (0, False)
     ):
@@ -488,3 +455,85 @@ def _widened(values):
 
 
 _TRACED = object()  # The place of an array result in `trace_and_eval`.
+
+
+def matmuls_in(
+    fn: Callable,
+    matmul_dtype: Any,
+    fp8_scaling: str = "tensor",
+    *,
+    scoped: bool = False,
+    shared: bool = False,
+) -> Callable:
+    """`fn` with every `dot_general` taking `matmul_dtype`'s product; all else as written.
+
+    For code with no `dot_general` hook (`jnp.einsum` and `@` in model code,
+    attention): half operands with float32 accumulation, or FP8
+    (`fp8_dot_general`, with `fp8_scaling`), forward and backward. Each
+    product keeps the result dtype of the traced program. With `scoped`, a
+    product traced inside `product_scope(c, m)` takes those instead, the
+    innermost scope winning; `matmul_dtype` may then be None.
+    Array arguments are traced, anything else is static. With `shared` (not
+    with `scoped`), for an `fn` called often with the same shapes (the
+    attention of every layer): calls whose other arguments are plain values
+    (numbers, strings, dtypes, enums, None) share one traced rewrite per
+    signature, an inlined `jax.jit`; their results must be arrays. The caller
+    vouches that `fn` reads nothing but its arguments: what it read otherwise
+    (an array, a variable, a module's attribute) would stay as first traced.
+    jmp_policy shares only Flax's own `dot_product_attention`.
+    """
+    rules = matmul_rules(matmul_dtype, fp8_scaling, scoped=scoped, scaled_scopes=scoped)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if shared and not scoped:
+            out = _shared_rewrite(fn, rules, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        return trace_and_eval(lambda a, k: fn(*a, **k), (args, kwargs), rules)
+
+    return wrapped
+
+
+# `matmuls_in(shared=True)`: per function (held weakly), per signature, the
+# inlined `jax.jit` of its rewrite.
+_SHARED_REWRITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _shared_rewrite(fn: Callable, rules: Rules, args: tuple, kwargs: dict) -> Any:
+    """`fn(*args, **kwargs)` rewritten through its shared trace; NotImplemented if none can be."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    is_array = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
+    static = tuple((type(x), x) for x, a in zip(leaves, is_array) if not a)
+    if not all(ji.is_plain(x) for _, x in static):
+        return NotImplemented  # A module or a function: not kept alive in a cache.
+    try:
+        per_signature = _SHARED_REWRITES.setdefault(fn, {})
+    except TypeError:  # No weak reference to `fn`.
+        return NotImplemented
+    arrays = [x for x, a in zip(leaves, is_array) if a]
+    scaled = may_scale(rules)
+    with traced_for(arrays) if scaled else contextlib.nullcontext():
+        # What FP8 products save (`fp8_residuals`' setting, the operands under
+        # second-order differentiation of `arrays`) is read as they trace: a key.
+        key = (rules, treedef, is_array, static, residual_form(None) if scaled else None)
+        if key not in per_signature:
+            ref = weakref.ref(fn)
+            values = [None if a else x for x, a in zip(leaves, is_array)]  # Plain values only.
+
+            def rewritten(*arrays):
+                it = iter(arrays)
+                full = [next(it) if a else v for v, a in zip(values, is_array)]
+                f = ref()
+                assert f is not None  # The caller holds `fn` while this runs.
+                given = jax.tree.unflatten(treedef, full)  # (args, kwargs)
+                return trace_and_eval(lambda a, k: f(*a, **k), given, rules)
+
+            per_signature[key] = ji.inlined_jit(rewritten)
+        return per_signature[key](*arrays)
+
+
+def clear_shared_traces() -> None:
+    """Forgets the traces `matmuls_in(shared=True)` and the half products share."""
+    _SHARED_REWRITES.clear()
+    clear_shared_products()

@@ -49,19 +49,20 @@ import numpy as np
 from jax import lax
 
 from jmp_policy.core import jax_internals as ji
-from jmp_policy.core.block_scaling import FORMATS, block_scaled_product
 from jmp_policy.core.dtypes import F32, cast, is_float, pow2_at_least, widest
-from jmp_policy.core.matmul import (
+from jmp_policy.core.policy import check_scaling
+from jmp_policy.engine.products import cpu_form
+from jmp_policy.engine.products.block_scaling import FORMATS, block_scaled_product
+from jmp_policy.engine.products.half import (
     _accumulate_in_float32,
     call_reverse_mode_only,
-    cpu_form_in_use,
+    decided,
     dims_key,
     dot_product,
     float_dot_operands,
     shared_factory,
 )
-from jmp_policy.core.policy import check_scaling
-from jmp_policy.core.residuals import check_residuals, residual_form, to_be_saved_quantized
+from jmp_policy.engine.residuals import check_residuals, residual_form, to_be_saved_quantized
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -276,7 +277,7 @@ def fp8_product(
     f = _shared_fp8_product(
         dims, np.dtype(out_dtype), check_scaling(scaling), precision, out_sharding, form,
         # A trace made under the other setting of the CPU form is not reused.
-        cpu_form=cpu_form_in_use(),
+        cpu_form=cpu_form.in_use(),
     )  # fmt: skip
     return call_reverse_mode_only(f, lhs, rhs, _JVP_UNSUPPORTED)
 
@@ -378,7 +379,7 @@ def _fp8_product(
         return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
 
     # Traced once per shape signature: every product of it shares this backward.
-    f.defvjp(fwd, ji.inlined_jit(bwd))
+    f.defvjp(fwd, decided(ji.inlined_jit(bwd)))
     return f(lhs, rhs)
 
 

@@ -12,8 +12,8 @@ float32 too. Reference: Micikevicius et al., "Mixed Precision Training" (ICLR
 from __future__ import annotations
 
 import functools
-import os
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -23,40 +23,10 @@ from jax import lax
 
 from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.dtypes import F32, HALF_DTYPES, cast, is_float, widest
+from jmp_policy.engine.products import cpu_form
 
 # `product(lhs, rhs, preferred_element_type)`: a bilinear dot or convolution.
 Product = Callable[[Any, Any, Any], Any]
-
-
-# XLA:CPU (jaxlib 0.10.2) rejects some bf16 x bf16 -> f32 dots: "UNIMPLEMENTED:
-# Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32". Which ones
-# depends on the layout, the sizes and what XLA fuses around the dot (e.g.
-# [2,2,8,6] x [2,6,2,8] with batch dimensions (0, 1) and (0, 2); [8,6] x [6,8,6]
-# contracting 0 with 1), not on the CPU's instructions: they fail with and
-# without AVX512-BF16 and under --xla_cpu_max_isa=AVX2 or SSE4_2 alike. One form
-# ran in every case tried (tests/test_cpu_layouts.py, the test suite, random
-# layouts): both operands transposed to [B, K, M] and [B, K, N]. Dense-like
-# dots left as written (XLA:CPU runs them up to 2x faster with bf16
-# instructions) failed in context: XLA folds transposes around them into a
-# form it rejects. So on the CPU platform every half x half -> f32 dot takes
-# the [B, K, .] form (its cost: benchmarks/cpu_dot.py), and loses any
-# DotAlgorithmPreset: JAX refuses to lower F16_F16_F32 (asked for by
-# jax.nn.dot_product_attention) for CPU, and half operands with float32
-# accumulation is what the form computes anyway.
-# `lax.platform_dependent` keeps the branch out of GPU and TPU programs, which
-# get the dot as written. JMP_POLICY_CPU_BF16_DOT_WORKAROUND=0 turns it off (to
-# check a newer jaxlib).
-def cpu_bf16_dot_workaround(env: Mapping[str, str] = os.environ) -> bool:
-    """Whether half x half -> f32 dots on the CPU platform take the form XLA:CPU runs."""
-    return env.get("JMP_POLICY_CPU_BF16_DOT_WORKAROUND", "1") != "0"
-
-
-_CPU_BF16_DOT_WORKAROUND = cpu_bf16_dot_workaround()
-
-
-def cpu_form_in_use() -> bool:
-    """The setting products traced now take (part of a shared product's signature)."""
-    return _CPU_BF16_DOT_WORKAROUND
 
 
 def dot_product(dimension_numbers: Any, precision: Any = None, out_sharding: Any = None) -> Product:
@@ -71,53 +41,23 @@ def dot_product(dimension_numbers: Any, precision: Any = None, out_sharding: Any
             # FP8 operands go into the dot as they are: an algorithm preset
             # (F16_F16_F32) would have JAX convert them to its input type.
             return dot(a, b, pet, _without_algorithm(precision))
-        half_to_f32 = a.dtype in HALF_DTYPES and pet == F32 and not _explicit(out_sharding)
-        if not (half_to_f32 and _CPU_BF16_DOT_WORKAROUND):
+        if not cpu_form.applies(a.dtype, pet, out_sharding):
             return dot(a, b, pet)
         cpu = functools.partial(
-            _cpu_dot, dims=dims, precision=_without_algorithm(precision), out_sharding=out_sharding
+            cpu_form.dot,
+            dims=dims,
+            precision=_without_algorithm(precision),
+            out_sharding=out_sharding,
         )
         return lax.platform_dependent(a, b, cpu=cpu, default=functools.partial(dot, pet=pet))
 
     return product
 
 
-def _explicit(sharding: Any) -> bool:
-    """Whether `sharding` is on a mesh with explicit axes: the form's reshapes
-    would merge dimensions JAX keeps sharded by type, so the dot runs as written."""
-    mesh = getattr(sharding, "mesh", None)
-    return jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
-
-
 def _without_algorithm(precision: Any) -> Any:
     """`precision` less an algorithm preset: the product's operand and accumulation
     types are already the ones it names (half or FP8 operands, float32 result)."""
     return None if isinstance(precision, (lax.DotAlgorithm, lax.DotAlgorithmPreset)) else precision
-
-
-# The name scope of the CPU form: a program's debug locations show where it is.
-CPU_FORM_SCOPE = "jmp_policy_cpu_dot"
-
-
-@jax.named_scope(CPU_FORM_SCOPE)
-def _cpu_dot(lhs, rhs, dims, precision, out_sharding):
-    """The dot as one [B, K, M] x [B, K, N] product: the form XLA:CPU always ran,
-    its result laid out as the dot's (`out_sharding`, which JAX's own
-    transposes of a dot under a mesh of automatic axes give)."""
-    (lc, rc), (lb, rb) = dims
-    lf = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
-    rf = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
-    shape = [lhs.shape[d] for d in (*lb, *lf)] + [rhs.shape[d] for d in rf]
-    b, k = _size(lhs, lb), _size(lhs, lc)
-    lhs = lax.transpose(lhs, (*lb, *lc, *lf)).reshape(b, k, _size(lhs, lf))
-    rhs = lax.transpose(rhs, (*rb, *rc, *rf)).reshape(b, k, _size(rhs, rf))
-    out = lax.dot_general(lhs, rhs, (((1,), (1,)), ((0,), (0,))), precision, F32)
-    out = out.reshape(shape)
-    return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
-
-
-def _size(x, dims):
-    return int(np.prod([x.shape[d] for d in dims], dtype=int))
 
 
 def product_of(eqn: ji.JaxprEqn) -> Product:
@@ -181,7 +121,7 @@ def accumulating_dot(
         dims_key(dimension_numbers), precision, out_sharding,
         *map(np.dtype, (compute_dtype, out_dtype, lhs.dtype, rhs.dtype)),
         # A trace made under the other setting of the CPU form is not reused.
-        cpu_form=cpu_form_in_use(),
+        cpu_form=cpu_form.in_use(),
     )  # fmt: skip
     return call_reverse_mode_only(f, lhs, rhs, _JVP_UNSUPPORTED)
 
@@ -254,8 +194,25 @@ def _accumulating(
         return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
 
     bwd: Callable = ji.inlined_jit(backward) if shared else backward
-    f.defvjp(fwd, lambda res, g: bwd(*res, g))
+    f.defvjp(fwd, decided(lambda res, g: bwd(*res, g)))
     return f
+
+
+# The backward rules of the products made here (half, FP8, block-scaled): a
+# `custom_vjp` holding one has its dtypes decided, and the interpreter leaves
+# it as it is. Held weakly: a rule goes with its product.
+_DECIDED: weakref.WeakSet[Callable] = weakref.WeakSet()
+
+
+def decided(bwd: Callable) -> Callable:
+    """`bwd`, marked as the backward rule of a product made here."""
+    _DECIDED.add(bwd)
+    return bwd
+
+
+def made_here(bwd: Callable | None) -> bool:
+    """Whether `bwd` is the backward rule of a product made here."""
+    return bwd is not None and bwd in _DECIDED
 
 
 def call_reverse_mode_only(f: Callable, lhs: Any, rhs: Any, message: str) -> Any:

@@ -15,9 +15,9 @@ import numpy as np
 from jax import lax
 
 from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES
-from jmp_policy.core.fp8 import fp8_dot_general
-from jmp_policy.core.matmul import half_dot_general
-from jmp_policy.core.residuals import residual_form
+from jmp_policy.engine.products.fp8 import fp8_dot_general
+from jmp_policy.engine.products.half import half_dot_general
+from jmp_policy.engine.residuals import residual_form
 
 _FULL_PRECISION_ALGORITHMS = frozenset(
     getattr(lax.DotAlgorithmPreset, name) for name in ("F32_F32_F32", "F64_F64_F64")

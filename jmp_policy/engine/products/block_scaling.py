@@ -50,8 +50,9 @@ from jax import lax
 
 from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.dtypes import F32, cast, pow2_at_least, widest
-from jmp_policy.core.matmul import cpu_form_in_use, dot_product, shared_factory
-from jmp_policy.core.residuals import to_be_saved_quantized
+from jmp_policy.engine.products import cpu_form
+from jmp_policy.engine.products.half import decided, dot_product, shared_factory
+from jmp_policy.engine.residuals import to_be_saved_quantized
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E2M1 = np.dtype(jnp.float4_e2m1fn)
@@ -285,7 +286,7 @@ def block_scaled_product(
     """`lax.dot_general(lhs, rhs, dims)` in the block format `fmt`, both passes,
     saving `residuals` (`"quantized"` or `"operands"`) for the backward pass."""
     # A trace made under the other setting of the CPU form is not reused.
-    f = _shared_block_product(dims, np.dtype(out_dtype), fmt, residuals, cpu_form=cpu_form_in_use())
+    f = _shared_block_product(dims, np.dtype(out_dtype), fmt, residuals, cpu_form=cpu_form.in_use())
     out = f(lhs, rhs)
     return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
 
@@ -345,5 +346,5 @@ def _block_product(lhs, rhs, *, dims, out_dtype, fmt, residuals):
             cast(layout.back(d_b, "rhs"), rhs_dtype),
         )
 
-    f.defvjp(fwd, ji.inlined_jit(bwd))
+    f.defvjp(fwd, decided(ji.inlined_jit(bwd)))
     return f(lhs, rhs)

@@ -1,0 +1,127 @@
+"""The decision: which precision each operation of a traced program runs in.
+
+`Rules` name it: the primitive sets (`HALF_PRIMITIVES` take half operands and
+accumulate in float32, `FLOAT32_PRIMITIVES` run in float32, `PROMOTE_PRIMITIVES`
+in the widest floating dtype of their inputs, anything else as written), the
+compute and matmul dtypes, the FP8 or FP4 scaling and whether `product_scope`
+markers choose a product's own. `autocast` builds them from its arguments, the
+linen and NNX front ends from a policy (`product_rules`); the interpreter
+applies them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from jmp_policy.core import jax_internals as ji
+from jmp_policy.core.dtypes import F32 as _F32
+from jmp_policy.core.policy import Policy
+
+# Matmuls and convolutions: half operands, float32 accumulation.
+HALF_PRIMITIVES: frozenset[str] = frozenset({"dot_general", "conv_general_dilated"})
+
+# Run in float32 (or wider): exponentials and logarithms overflow or lose
+# everything in half precision, sums and products accumulate rounding error,
+# squares and powers overflow float16. torch.autocast keeps the same in float32.
+FLOAT32_PRIMITIVES: frozenset[str] = frozenset(
+    {
+        "exp", "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "square",
+        "sqrt", "rsqrt", "cbrt", "logistic", "erf", "erfc", "erf_inv", "lgamma",
+        "digamma", "polygamma", "igamma", "igammac", "igamma_grad_a", "zeta",
+        "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta", "tan", "asin",
+        "acos", "asinh", "acosh", "atanh", "sinh", "cosh",
+        "reduce_sum", "reduce_prod", "reduce_window_sum", "cumsum", "cumprod",
+        "cumlogsumexp",
+    }
+)  # fmt: skip
+
+# Run in the widest floating dtype of their inputs: exact or well conditioned
+# in any precision (max, min, argmax and comparisons are exact; tanh, sin and
+# cos are bounded), or only moving data around.
+PROMOTE_PRIMITIVES: frozenset[str] = frozenset(
+    {
+        "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "abs",
+        "sign", "floor", "ceil", "round", "nextafter", "atan2", "sin", "cos",
+        "tanh", "atan", "is_finite", "eq", "ne", "lt", "le", "gt", "ge",
+        "select_n", "clamp", "stop_gradient", "reduce_precision", "copy",
+        "broadcast_in_dim", "reshape", "squeeze", "transpose", "rev", "slice",
+        "dynamic_slice", "concatenate", "pad", "gather",
+        "split", "tile", "reduce_max", "reduce_min", "argmax", "argmin", "cummax",
+        "cummin", "reduce_window_max", "reduce_window_min", "sharding_constraint",
+    }
+)  # fmt: skip
+
+
+def known_primitive_names() -> frozenset[str]:
+    return ji.primitive_names() | HALF_PRIMITIVES | FLOAT32_PRIMITIVES | PROMOTE_PRIMITIVES
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Which operations run in which precision."""
+
+    compute_dtype: np.dtype
+    half: frozenset[str]
+    float32: frozenset[str]
+    promote: frozenset[str]
+    # "vjp": products through the custom VJP; "plain": lax products with
+    # float32 accumulation (inside JVP rules, whose tangent products JAX must
+    # transpose itself).
+    products: str = "vjp"
+    # The policy's matmul dtype: every dot_general takes its product (None:
+    # the compute dtype, as above).
+    matmul_dtype: np.dtype | None = None
+    # Under an FP8 or FP4 matmul dtype: its scaling ("tensor", "rowwise", "mxfp8", "nvfp4").
+    fp8_scaling: str = "tensor"
+    # Whether `product_scope` markers in a product's name stack choose its
+    # compute and matmul dtypes (the rules' own where there is none), and
+    # whether one may name an FP8 or FP4 matmul dtype.
+    scoped: bool = False
+    scaled_scopes: bool = False
+
+    @property
+    def only_products(self) -> bool:
+        """Only products are rewritten (`matmuls_in`); every other op runs as written."""
+        return not (self.float32 or self.promote)
+
+
+def matmul_rules(
+    matmul_dtype: Any,
+    fp8_scaling: str = "tensor",
+    *,
+    scoped: bool = False,
+    scaled_scopes: bool = False,
+    compute_dtype: Any = _F32,
+) -> Rules:
+    """The `Rules` of `matmuls_in`: every `dot_general` takes `matmul_dtype`'s
+    product; without one, a product whose operands are wider than
+    `compute_dtype` takes them in it (float32 accumulation), the others run
+    as written."""
+    return Rules(
+        compute_dtype=np.dtype(compute_dtype),
+        half=frozenset({"dot_general", "conv_general_dilated"}),
+        float32=frozenset(),
+        promote=frozenset(),
+        matmul_dtype=None if matmul_dtype is None else np.dtype(matmul_dtype),
+        fp8_scaling=fp8_scaling,
+        scoped=scoped,
+        scaled_scopes=scaled_scopes,
+    )
+
+
+def policy_products(policy: Policy) -> tuple[np.dtype, np.dtype | None, str]:
+    """What decides a product under `policy`: its compute dtype, matmul dtype and FP8 scaling."""
+    m = None if policy.matmul_dtype is None else np.dtype(policy.matmul_dtype)
+    return np.dtype(policy.compute_dtype), m, policy.fp8_scaling
+
+
+def product_rules(policy: Policy, *, scaled_scopes: bool) -> Rules:
+    """A front end's op-level rewrite under `policy`: every product takes its
+    compute dtype (where its operands are wider) or its matmul dtype, except
+    inside a `product_scope` (a module a rule gives other ones; with
+    `scaled_scopes`, one may name an FP8 or FP4 matmul dtype)."""
+    c, m, scaling = policy_products(policy)
+    return matmul_rules(m, scaling, scoped=True, scaled_scopes=scaled_scopes, compute_dtype=c)
