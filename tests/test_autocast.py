@@ -666,7 +666,9 @@ def test_products_inside_a_users_custom_vjp_take_the_policy(policy, half):
     assert error(got, want) <= 1.5 * error(plain_grad, jax.grad(plain, argnums=(0, 1))(x, w))
 
 
-@pytest.mark.parametrize("inner_policy", ["p=f32,c=f32,o=f32,m=bf16", "mixed_float8", "mixed_mxfp8"])
+@pytest.mark.parametrize(
+    "inner_policy", ["p=f32,c=f32,o=f32,m=bf16", "mixed_float8", "mixed_mxfp8"]
+)
 def test_jmp_policys_own_products_in_an_autocast_are_not_rewritten_again(inner_policy):
     # Half, FP8 and block-scaled products, each a `custom_vjp` the engine made:
     # an outer autocast leaves them as decided.
