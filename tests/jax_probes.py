@@ -191,6 +191,18 @@ def _check_dtype_mismatch_errors() -> None:
         _expect_error(run, ji.is_dtype_mismatch, "operands of float32 and bfloat16")
 
 
+@_probe("dead equations: effects mark what must stay")
+def _check_live_equations() -> None:
+    def f(a: Any) -> Any:
+        jnp.sin(a)  # Needed by nothing, no effect: dropped.
+        jax.debug.print("{}", a)  # An effect: kept.
+        return a * 2.0
+
+    closed = jax.make_jaxpr(f)(_X)
+    kept = [e.primitive.name for e in ji.live_equations(closed.jaxpr)]
+    _expect(kept == ["debug_print", "mul"], "equations' effects (a debug print's)")
+
+
 @_probe("eval_jaxpr: name stacks, contexts, literals, bind parameters")
 def _check_eval_jaxpr() -> None:
     @jax.named_scope("probe")

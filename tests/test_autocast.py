@@ -679,3 +679,21 @@ def test_jmp_policys_own_products_in_an_autocast_are_not_rewritten_again(inner_p
     assert [(op.name, op.operand_types) for op in twice if op.name == "dot_general"] == [
         (op.name, op.operand_types) for op in once if op.name == "dot_general"
     ]
+
+
+def test_what_no_result_needs_is_not_run_again_and_effects_are_kept():
+    # A model built inside its apply draws parameters it then replaces: the
+    # engine does not run such dead equations again; effects always run.
+    seen = []
+
+    def f(x, w):
+        jax.random.normal(jax.random.key(0), (64, 64))  # Drawn, never used.
+        jax.debug.callback(lambda v: seen.append(float(v)), x.sum())
+        return x @ w
+
+    x, w = jnp.ones((2, 4)), jnp.ones((4, 3))
+    program = jax.make_jaxpr(autocast(f, MIXED))(x, w)
+    names = {e.primitive.name for e in program.jaxpr.eqns}
+    assert "debug_callback" in names and "random_bits" not in str(program)
+    np.testing.assert_allclose(jax.jit(autocast(f, MIXED))(x, w), np.full((2, 3), 4.0))
+    assert seen == [8.0]

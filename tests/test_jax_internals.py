@@ -48,6 +48,7 @@ def test_every_internal_has_a_probe():
         "loops, branches and calls: their programs, and a loop body's trace",
         "where an equation comes from",
         "eval_jaxpr: name stacks, contexts, literals, bind parameters",
+        "dead equations: effects mark what must stay",
     }
     assert set(PROBES) == expected
 

@@ -413,6 +413,17 @@ def _read(env: dict[Any, Any], v: Any) -> Any:
     return env[v]
 
 
+def live_equations(jaxpr: Jaxpr) -> list[JaxprEqn]:
+    """The equations of `jaxpr` that its results need, or that have effects, in order."""
+    needed = {v for v in jaxpr.outvars if not isinstance(v, jex.core.Literal)}
+    live = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in needed for v in eqn.outvars):
+            live.append(eqn)
+            needed.update(v for v in eqn.invars if not isinstance(v, jex.core.Literal))
+    return live[::-1]
+
+
 def eval_jaxpr(
     jaxpr: Jaxpr,
     consts: Sequence[Any],
@@ -424,12 +435,14 @@ def eval_jaxpr(
     `apply` returns the equation's output (a list for primitives with multiple
     results). The equation's name stack (Flax module paths) and context
     managers are kept, so the rewritten program reads like the original.
+    Equations no result needs and without effects are skipped, as XLA would
+    drop them (a model built inside `apply` draws parameters it then replaces).
     """
     env: dict = {}
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     su = jex.source_info_util
-    for eqn in jaxpr.eqns:
+    for eqn in live_equations(jaxpr):
         invals = [_read(env, v) for v in eqn.invars]
         stack = su.current_name_stack() + eqn.source_info.name_stack
         with su.user_context(eqn.source_info.traceback, name_stack=stack), eqn.ctx.manager:
