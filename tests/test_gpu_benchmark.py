@@ -278,3 +278,29 @@ def test_readme_first_example_lowers_for_cuda_as_a_gpu_needs_it():
     # 2 Dense layers: 2 products forward, 3 backward (no input gradient for x).
     assert s.dots == {("f16", "f16", "f16"): 5}, s.dots
     assert (s.cpu_form, s.finiteness_checks, s.skip_selects) == (0, leaves, leaves + state_leaves)
+
+
+def test_kernel_profile_sums_gpu_kernels_by_kind():
+    # `benchmarks/gpu_kernels.py` reads a Perfetto trace: only the GPU
+    # processes' kernels count, each by the kind its name says.
+    gpu_kernels = import_benchmark("gpu_kernels")
+    trace = {
+        "traceEvents": [
+            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+            {"ph": "X", "pid": 7, "name": "nvjet_sm90_tst_128x160_NNT", "dur": 30.0},
+            {"ph": "X", "pid": 7, "name": "nvjet_sm90_tst_128x160_NNT", "dur": 10.0},
+            {"ph": "X", "pid": 7, "name": "input_add_reduce_fusion_2", "dur": 5.0},
+            {"ph": "X", "pid": 7, "name": "ncclDevKernel_AllReduce", "dur": 2.0},
+            {"ph": "X", "pid": 1, "name": "PjitFunction(step)", "dur": 999.0},
+        ]
+    }
+    times = gpu_kernels.gpu_kernel_times(trace)
+    assert times == {
+        "nvjet_sm90_tst_128x160_NNT": 40.0,
+        "input_add_reduce_fusion_2": 5.0,
+        "ncclDevKernel_AllReduce": 2.0,
+    }
+    assert [gpu_kernels.kind_of(k) for k in times] == ["gemm", "other", "collective"]
+    assert gpu_kernels.kind_of("memcpy128") == "copy"
+    assert gpu_kernels.kind_of("cutlass_80_wmma_tensorop_bf16") == "gemm"
