@@ -102,7 +102,7 @@ def matmul_rules(
     as written."""
     return Rules(
         compute_dtype=np.dtype(compute_dtype),
-        half=frozenset({"dot_general", "conv_general_dilated"}),
+        half=HALF_PRIMITIVES,
         float32=frozenset(),
         promote=frozenset(),
         matmul_dtype=None if matmul_dtype is None else np.dtype(matmul_dtype),
