@@ -381,3 +381,86 @@ def test_identical_fp8_products_trace_once_and_stay_fp8():
     ]
     assert len(dots) == 3 * depth - 1
     assert all(set(op.operand_types) <= {"f8E4M3FN", "f8E5M2"} for op in dots)
+
+
+def test_checkpointed_layers_of_one_program_share_one_rewrite():
+    # A deep model's checkpointed layers are one program many times over (here
+    # with a nested jit and a sharding constraint in each): rewritten once,
+    # traced and differentiated by JAX once; a layer a rule puts in another
+    # dtype, or one whose program differs, gets its own.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def layer(x, w):
+        y = jax.jit(jnp.tanh)(x @ w)
+        return jax.lax.with_sharding_constraint(y, spec)
+
+    def model(x, ws):
+        for w in ws:
+            x = jax.checkpoint(layer)(x, w)
+        return jax.checkpoint(lambda x, w: jnp.sin(x @ w))(x, ws[0]).sum()
+
+    x = jnp.ones((4, WIDTH))
+    ws = [jnp.full((WIDTH, WIDTH), 1.0 / WIDTH) for _ in range(4)]
+    f = jmp.autocast(model, "p=f32,c=f32,o=f32,m=bf16")
+    bodies = []
+
+    def record(eqn, rules):
+        body = remat_body(eqn, rules)
+        bodies.append(body)
+        return body
+
+    remat_body = interpreter._remat_body
+    with mock.patch.object(interpreter, "_remat_body", side_effect=record):
+        grads = jax.grad(f, argnums=1)(x, ws)
+    assert len(bodies) == 5 and len(set(map(id, bodies))) == 2  # 4 layers, then the sine.
+    want = jax.grad(model, argnums=1)(x, ws)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, rtol=2e-2, atol=1e-3)
+    dots = [
+        op for op in lowered_ops(jax.jit(jax.grad(f, argnums=1)), x, ws) if op.name == "dot_general"
+    ]
+    assert dots and all(op.operand_types == ("bf16", "bf16") for op in dots)
+
+
+def test_checkpointed_layers_a_rule_puts_in_other_dtypes_are_rewritten_apart():
+    import flax.linen as nn
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.tanh(nn.Dense(WIDTH, use_bias=False)(x))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(3):
+                x = nn.remat(Layer)(name=f"layer{i}")(x)
+            return x
+
+    model, x = Model(), jnp.ones((4, WIDTH))
+    params = model.init(jax.random.key(0), x)
+    f = jmp.with_policy(model.apply, "p=f32,c=f32,o=f32,m=bf16", rules={"layer2": "f32"})
+    dots = [op for op in lowered_ops(jax.jit(f), params, x) if op.name == "dot_general"]
+    assert [op.operand_types for op in dots] == [("bf16", "bf16")] * 2 + [("f32", "f32")]
+
+
+def test_program_keys_tell_nested_programs_and_shardings_apart():
+    from jmp_policy.core import jax_internals as ji
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    P = jax.sharding.PartitionSpec
+
+    def program(activation, spec):
+        def f(x):
+            y = jax.jit(activation)(x)
+            return jax.lax.with_sharding_constraint(y, jax.sharding.NamedSharding(mesh, spec))
+
+        return jax.make_jaxpr(f)(jnp.ones((4, 4))).jaxpr
+
+    key = ji.program_key(program(jnp.tanh, P()))
+    assert key is not None and key == ji.program_key(program(jnp.tanh, P()))
+    assert key != ji.program_key(program(jnp.sin, P()))
+    assert key != ji.program_key(program(jnp.tanh, P("x")))
+    # A custom_jvp's rule is a function the key cannot compare: no key.
+    assert ji.program_key(jax.make_jaxpr(jax.nn.relu)(jnp.ones(3)).jaxpr) is None

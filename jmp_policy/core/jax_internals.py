@@ -352,15 +352,40 @@ def loop_body_carry(args: Sequence[Any]) -> tuple[str, Any] | None:
     return (name, args[position]) if position < len(args) else None
 
 
-_PLAIN = (bool, int, float, complex, str, type, np.dtype, enum.Enum, type(None))
+_PLAIN = (bool, int, float, complex, str, type, np.dtype, enum.Enum, type(None), np.generic)
 
 
 def is_plain(value: Any) -> bool:
-    """A value whose text (and equality) says all it is: a number, string, type,
-    dtype, enum or None, or a tuple of them; not a function, array or object."""
+    """A value whose text (and equality) says all it is: a number (NumPy's
+    scalars too), string, type, dtype, enum or None, or a tuple of them; not a
+    function, array or object."""
     if isinstance(value, tuple):
         return all(is_plain(v) for v in value)
     return isinstance(value, _PLAIN)
+
+
+_UNKNOWN = object()  # A parameter a key cannot compare.
+# Parameters equal exactly when they mean the same: shardings and meshes.
+_VALUES = (jax.sharding.Sharding, jax.sharding.Mesh, jax.sharding.AbstractMesh)
+
+
+def _param_key(value: Any) -> Any:
+    """A hashable stand-in for an equation's parameter, equal only for equal
+    ones (a nested program by its `program_key`); `_UNKNOWN` if none can be."""
+    if is_plain(value) or isinstance(value, _VALUES):
+        return value
+    if isinstance(value, (Jaxpr, ClosedJaxpr)):
+        inner = getattr(value, "jaxpr", value)
+        if getattr(value, "consts", ()):
+            return _UNKNOWN  # Arrays: not compared.
+        key = program_key(inner)
+        return _UNKNOWN if key is None else key
+    if isinstance(value, (tuple, frozenset)):
+        keys = tuple(_param_key(v) for v in value)
+        return _UNKNOWN if any(k is _UNKNOWN for k in keys) else (type(value), keys)
+    if type(value).__name__ == "UnspecifiedValue":  # jit's "no sharding given".
+        return type(value)
+    return _UNKNOWN
 
 
 def program_key(jaxpr: Jaxpr) -> tuple | None:
@@ -368,18 +393,25 @@ def program_key(jaxpr: Jaxpr) -> tuple | None:
     their text cannot tell.
 
     The text of a program names its operations, types and literals, and its
-    parameters where they are plain values. It does not show a nested
-    program's rules, a callback, an array literal's values or an equation's
-    context (`compute_on`, XLA metadata; interned, so compared by identity):
-    a program with any of the first three has no key, the contexts are part
-    of it.
+    parameters where they are plain values; shardings, meshes and nested
+    programs (by their own keys) are compared as values. It does not show a
+    callback or a rule (a `custom_jvp`'s, a `custom_vjp`'s), an array
+    literal's values or an equation's context (`compute_on`, XLA metadata;
+    interned, so compared by identity): a program with any of the first
+    three has no key, the contexts are part of it.
     """
-    for eqn in jaxpr.eqns:
-        if not all(is_plain(v) for v in eqn.params.values()):
-            return None  # A nested program, a callback, a sharding.
+    values = []
+    for i, eqn in enumerate(jaxpr.eqns):
         if any(isinstance(v, jex.core.Literal) and np.ndim(v.val) for v in eqn.invars):
             return None
-    return (str(jaxpr), tuple(eqn.ctx for eqn in jaxpr.eqns))
+        for name, value in eqn.params.items():
+            if is_plain(value):
+                continue
+            key = _param_key(value)
+            if key is _UNKNOWN:
+                return None  # A callback, a rule, something unknown.
+            values.append((i, name, key))
+    return (str(jaxpr), tuple(eqn.ctx for eqn in jaxpr.eqns), tuple(values))
 
 
 def shaped(var: Any) -> jax.core.ShapedArray:

@@ -75,7 +75,13 @@ def _rewrite_closed(closed, rules, in_dtypes, out_dtypes=None):
         jax.ShapeDtypeStruct(a.shape, d, weak_type=a.weak_type)
         for a, d in zip(closed.in_avals, in_dtypes)
     ]
-    return jax.make_jaxpr(fn)(*specs)
+    if closed.consts:
+        return jax.make_jaxpr(fn)(*specs)  # Arrays a key does not compare.
+    signature = (
+        tuple((s.shape, s.dtype, s.weak_type) for s in specs),
+        None if out_dtypes is None else tuple(out_dtypes),
+    )
+    return _shared("program", closed.jaxpr, rules, signature, lambda: jax.make_jaxpr(fn)(*specs))
 
 
 def _call_rule(eqn, invals, rules):
@@ -98,13 +104,51 @@ def _control_flow_rule(eqn, invals, rules):
 
 
 def _remat_rule(eqn, invals, rules):
+    return jax.checkpoint(_remat_body(eqn, rules), **ji.remat_options(eqn))(*invals)
+
+
+# What the rewrite of one program made (a nested program rewritten, a
+# checkpointed body), per program key, for one top-level rewrite: a deep
+# model's layers are one program many times over, and one rewrite of it lets
+# JAX trace and differentiate it once.
+_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("shared", default=None)
+
+
+def _shared(kind: str, jaxpr: ji.Jaxpr, rules: Rules, signature: Any, make: Callable) -> Any:
+    """`make()`, or what it made for an equal program and signature in this rewrite."""
+    made = _SHARED.get()
+    key = ji.program_key(jaxpr)
+    # FP8 products read what to save from the context they are traced in: not shared.
+    if made is None or key is None or may_scale(rules):
+        return make()
+    # The scopes a product reads: around the program and inside it (a rule's
+    # module traced within it), which its text does not show.
+    scopes = (tuple(_SCOPE_NAME.findall(_name_stack())), _scopes_in(jaxpr)) if rules.scoped else ()
+    full_key = (kind, key, rules, scopes, signature)
+    if full_key not in made:
+        made[full_key] = make()
+    return made[full_key]
+
+
+def _remat_body(eqn, rules):
     jaxpr = ji.remat_body(eqn)
 
     @_in_scope
     def body(*args):
         return _eval(jaxpr, (), args, rules)
 
-    return jax.checkpoint(body, **ji.remat_options(eqn))(*invals)
+    return _shared("checkpoint", jaxpr, rules, (), lambda: body)
+
+
+def _scopes_in(jaxpr: ji.Jaxpr) -> tuple:
+    """The `product_scope` markers of each equation of `jaxpr`, nested ones too."""
+    return tuple(
+        (
+            tuple(_SCOPE_NAME.findall(ji.name_stack(eqn))),
+            tuple(_scopes_in(sub) for sub in ji.sub_jaxprs(eqn)),
+        )
+        for eqn in jaxpr.eqns
+    )
 
 
 def _custom_jvp_rule(eqn, invals, rules):
@@ -407,6 +451,22 @@ def trace_and_eval(fn: Callable, args: Any, rules: Rules | None, *, flow: bool =
         return [x for x in results if isinstance(x, arrays)]
 
     values = [leaves[i] for i in dynamic]
+    token = _SHARED.set({}) if _SHARED.get() is None else None
+    try:
+        results, closed = _traced_and_run(traced_fn, values, rules)
+    finally:
+        if token is not None:
+            _SHARED.reset(token)
+    outs = iter(results)
+    full = [next(outs) if x is _TRACED else x for x in out_leaves]
+    out = jax.tree.unflatten(out_tree[0], full)
+    if not flow:
+        return out
+    return out, flow_of(values, buffer_sources(closed.jaxpr), results)
+
+
+def _traced_and_run(traced_fn: Callable, values: list, rules: Rules | None) -> tuple[list, Any]:
+    """`traced_fn`'s program on `values`, and the results of running it under `rules`."""
     # FP8 products traced on stand-ins (here, and for nested programs as they
     # are rewritten) save what the values' derivatives need.
     scaled = rules is not None and may_scale(rules)
@@ -422,15 +482,8 @@ def trace_and_eval(fn: Callable, args: Any, rules: Rules | None, *, flow: bool =
                 raise
             closed = jax.make_jaxpr(traced_fn)(*_widened(values))
         if rules is None:
-            results = ji.eval_jaxpr(closed.jaxpr, closed.consts, values, ji.bind)
-        else:
-            results = _eval(closed.jaxpr, closed.consts, values, rules)
-    outs = iter(results)
-    full = [next(outs) if x is _TRACED else x for x in out_leaves]
-    out = jax.tree.unflatten(out_tree[0], full)
-    if not flow:
-        return out
-    return out, flow_of(values, buffer_sources(closed.jaxpr), results)
+            return ji.eval_jaxpr(closed.jaxpr, closed.consts, values, ji.bind), closed
+        return _eval(closed.jaxpr, closed.consts, values, rules), closed
 
 
 def flow_recording_runner(rules: Rules | None) -> tuple[Callable, list]:
