@@ -462,5 +462,15 @@ def test_program_keys_tell_nested_programs_and_shardings_apart():
     assert key is not None and key == ji.program_key(program(jnp.tanh, P()))
     assert key != ji.program_key(program(jnp.sin, P()))
     assert key != ji.program_key(program(jnp.tanh, P("x")))
+
+    # The key reads how the operations connect, and literals and parameters by type and value.
+    def key(f, *args):
+        return ji.program_key(jax.make_jaxpr(f)(*args).jaxpr)
+
+    x = jnp.ones(3)
+    assert key(lambda x, y: x - y, x, x) == key(lambda a, b: a - b, x, x)
+    assert key(lambda x, y: x - y, x, x) != key(lambda x, y: y - x, x, x)
+    assert key(lambda x: x * 0.0, x) != key(lambda x: x * -0.0, x)
+    assert key(lambda x: jnp.sum(x, axis=0), x) != key(lambda x: jnp.sum(x[None], axis=1), x)
     # A custom_jvp's rule is a function the key cannot compare: no key.
     assert ji.program_key(jax.make_jaxpr(jax.nn.relu)(jnp.ones(3)).jaxpr) is None

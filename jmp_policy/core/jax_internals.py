@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -372,27 +373,36 @@ _VALUES = (jax.sharding.Sharding, jax.sharding.Mesh, jax.sharding.AbstractMesh)
 def _param_key(value: Any) -> Any:
     """A hashable stand-in for an equation's parameter, equal only for equal
     ones (a nested program by its `program_key`); `_UNKNOWN` if none can be."""
+    if isinstance(value, tuple | frozenset):
+        keys = tuple(_param_key(v) for v in value)
+        return _UNKNOWN if any(k is _UNKNOWN for k in keys) else (type(value), keys)
     if is_plain(value) or isinstance(value, _VALUES):
-        return value
-    if isinstance(value, (Jaxpr, ClosedJaxpr)):
+        return (type(value), value)  # Typed: 1, 1.0 and True are equal values.
+    if isinstance(value, Jaxpr | ClosedJaxpr):
         inner = getattr(value, "jaxpr", value)
         if getattr(value, "consts", ()):
             return _UNKNOWN  # Arrays: not compared.
         key = program_key(inner)
         return _UNKNOWN if key is None else key
-    if isinstance(value, (tuple, frozenset)):
-        keys = tuple(_param_key(v) for v in value)
-        return _UNKNOWN if any(k is _UNKNOWN for k in keys) else (type(value), keys)
     if type(value).__name__ == "UnspecifiedValue":  # jit's "no sharding given".
         return type(value)
     return _UNKNOWN
 
 
+class _NoKey(Exception):
+    pass
+
+
+# Per program, held weakly: its key (None: none), made once.
+_PROGRAM_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def program_key(jaxpr: Jaxpr) -> tuple | None:
     """A key equal for two programs only if they compute the same; None if
-    their text cannot tell.
+    their structure cannot tell.
 
-    The text of a program names its operations, types and literals, and its
+    The key is the program's structure: its operations, the types of its
+    variables and how they connect, its scalar literals, and its
     parameters where they are plain values; shardings, meshes and nested
     programs (by their own keys) are compared as values. It does not show a
     callback or a rule (a `custom_jvp`'s, a `custom_vjp`'s), an array
@@ -400,18 +410,50 @@ def program_key(jaxpr: Jaxpr) -> tuple | None:
     interned, so compared by identity): a program with any of the first
     three has no key, the contexts are part of it.
     """
-    values = []
-    for i, eqn in enumerate(jaxpr.eqns):
-        if any(isinstance(v, jex.core.Literal) and np.ndim(v.val) for v in eqn.invars):
-            return None
-        for name, value in eqn.params.items():
-            if is_plain(value):
-                continue
-            key = _param_key(value)
-            if key is _UNKNOWN:
-                return None  # A callback, a rule, something unknown.
-            values.append((i, name, key))
-    return (str(jaxpr), tuple(eqn.ctx for eqn in jaxpr.eqns), tuple(values))
+    if jaxpr not in _PROGRAM_KEYS:
+        try:
+            key: tuple | None = _structure(jaxpr)
+            hash(key)
+        except (_NoKey, TypeError):  # TypeError: a type or parameter that does not hash.
+            key = None
+        _PROGRAM_KEYS[jaxpr] = key
+    return _PROGRAM_KEYS[jaxpr]
+
+
+def _type_key(aval: Any) -> tuple:
+    """What a variable's type says to the program: not the mesh an Auto
+    sharding happens to name (a value out of a sharding constraint has one)."""
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    fields = ("shape", "dtype", "weak_type", "vma", "manual_axis_type", "memory_space")
+    return (type(aval), spec, *(getattr(aval, f, None) for f in fields))
+
+
+def _structure(jaxpr: Jaxpr) -> tuple:
+    numbers: dict = {}  # Variables by the order they are made in.
+
+    def defined(v: Any) -> Any:
+        if isinstance(v, DropVar):
+            return ("dropped", _type_key(v.aval))
+        numbers[v] = len(numbers)
+        return _type_key(v.aval)
+
+    def used(v: Any) -> Any:
+        if isinstance(v, Literal):
+            if np.ndim(v.val):
+                raise _NoKey  # An array's values.
+            return ("literal", _type_key(v.aval), repr(np.asarray(v.val).item()))
+        return numbers[v]
+
+    signature = tuple(defined(v) for v in (*jaxpr.constvars, *jaxpr.invars))
+    eqns = []
+    for eqn in jaxpr.eqns:
+        params = tuple((name, _param_key(value)) for name, value in eqn.params.items())
+        if any(k is _UNKNOWN for _, k in params):
+            raise _NoKey  # A callback, a rule, something unknown.
+        ins = tuple(used(v) for v in eqn.invars)
+        outs = tuple(defined(v) for v in eqn.outvars)
+        eqns.append((eqn.primitive, ins, outs, params, eqn.ctx))
+    return (len(jaxpr.constvars), signature, tuple(eqns), tuple(used(v) for v in jaxpr.outvars))
 
 
 def shaped(var: Any) -> jax.core.ShapedArray:
