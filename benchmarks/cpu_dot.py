@@ -11,7 +11,7 @@ dot as written, where the dot as written runs, and reports where it fails:
   attention backward    the product XLA:CPU rejects in the backward pass of
                         attention: [B, H, D, S] x [B, S, H, D] over (B, H)
   MLP train step        a 4 x 256 MLP (batch 256), `with_policy` with
-                        "p=f32,c=bf16,o=f32,m=bf16", the README's train step
+                        "p=f32,c=bf16,o=f32,m=bf16,r=f32", the README's train step
   Transformer step      the example Transformer LM's train step, same policy
                         (not in --quick)
 
@@ -46,7 +46,7 @@ import jmp_policy
 from jmp_policy.engine.products import cpu_form as cpu_form_module
 from jmp_policy.engine.products import half as matmul
 
-M_BF16 = "p=f32,c=bf16,o=f32,m=bf16"
+M_BF16 = "p=f32,c=bf16,o=f32,m=bf16,r=f32"
 FORMS = ("float32", "as written", "CPU form")
 
 

@@ -11,6 +11,9 @@
 #       no GPU: every variant compiled for an H100 and an H200 (memory, GEMM kernels);
 #       needs the CUDA plugin for the installed jaxlib, which ./run puts in
 #       .venv/cuda-plugin (used from there when present); ~30 min on 2 cores
+#   benchmarks/gpu.sh --compile-only --devices 8 [--targets h200_sxm] [--layouts fsdp,dp,tp]
+#       no GPU: what a sharded train step sends over the wire per policy, compiled
+#       for 8 x H100 and 8 x H200 (benchmarks/gpu_collectives.py); ~8 min on 2 cores
 #
 # It uses the JAX already installed (python3 on PATH, or $PYTHON) and this
 # source tree (PYTHONPATH=.). $JMP_POLICY_BENCH_BUDGET_S (default 400 for the
@@ -23,6 +26,11 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 if [ "${1:-}" = --compile-only ]; then
     shift
     [ -d .venv/cuda-plugin ] && PYTHONPATH="$PYTHONPATH:$PWD/.venv/cuda-plugin"
+    for arg in "$@"; do
+        if [ "$arg" = --devices ]; then
+            exec "$PY" benchmarks/gpu_collectives.py --require-cuda-plugin "$@"
+        fi
+    done
     exec "$PY" benchmarks/gpu_compile.py --require-cuda-plugin "$@"
 fi
 if command -v timeout >/dev/null; then

@@ -80,11 +80,16 @@ def cuda_device(target_config: str) -> Any:
     Raises:
       RuntimeError: if JAX cannot make a CUDA topology (no CUDA plugin for this jaxlib).
     """
+    return cuda_devices(target_config, 1)[0]
+
+
+def cuda_devices(target_config: str, count: int) -> list[Any]:
+    """The devices of a CUDA topology of `count` GPUs in one host, as `cuda_device`."""
     from jax.experimental import topologies
 
     try:
         topology = topologies.get_topology_desc(
-            platform="cuda", target_config=target_config, topology="1x1x1"
+            platform="cuda", target_config=target_config, topology=f"1x1x{count}"
         )
     except Exception as e:  # JAX's error for a platform without a plugin.
         version = jax.__version__
@@ -93,7 +98,7 @@ def cuda_device(target_config: str) -> Any:
             f"--no-deps jax-cuda12-plugin=={version} jax-cuda12-pjrt=={version} "
             f"(./run puts them in .venv/cuda-plugin). JAX said: {e}"
         ) from e
-    return topology.devices[0]
+    return list(topology.devices)
 
 
 @dataclasses.dataclass(frozen=True)

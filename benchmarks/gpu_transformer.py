@@ -37,7 +37,7 @@ from the same float32 parameters on the same tokens:
   with_policy + half_dot_general
                              layers built with `dot_general=half_dot_general`
                              (bf16 operands, float32 accumulation, custom VJP)
-  policy matmul dtypes       `"p=f32,c=bf16,o=f32,m=bf16"` and `"mixed_float8"`,
+  policy matmul dtypes       `"p=f32,c=bf16,o=f32,m=bf16,r=f32"` and `"mixed_float8"`,
                              where `Policy` has a `matmul_dtype` field
   float32 HIGHEST            float32 under `jax.default_matmul_precision("highest")`
                              (true float32, no TF32)
@@ -331,7 +331,7 @@ VARIANTS = (
     Variant(WITH_POLICY, policy="mixed_bfloat16"),
     Variant(LOSS_SCALED, policy="mixed_bfloat16", loss_scaled=True),
     Variant("with_policy + half_dot_general", policy="mixed_bfloat16", half_dot_general=True),
-    Variant("policy m=bf16", policy="p=f32,c=bf16,o=f32,m=bf16", needs_matmul_dtype=True),
+    Variant("policy m=bf16", policy="p=f32,c=bf16,o=f32,m=bf16,r=f32", needs_matmul_dtype=True),
     Variant(FP8, policy="mixed_float8", needs_matmul_dtype=True),
     Variant("float32 HIGHEST", precision="highest"),
     Variant("policy mixed_float8_rowwise", policy="mixed_float8_rowwise", needs_matmul_dtype=True),

@@ -21,7 +21,7 @@ Dense head; batch 16 x 32 tokens) as a function of its float32 parameters, in se
                      attention projections and einsums): bf16 activations as
                      with `with_policy`, and every matmul, forward and backward,
                      on bf16 operands accumulating in float32 (custom VJP)
-  m=bf16             `with_policy(model.apply, "p=f32,c=bf16,o=f32,m=bf16")`:
+  m=bf16             `with_policy(model.apply, "p=f32,c=bf16,o=f32,m=bf16,r=f32")`:
                      the same products as with_policy+f32acc from the policy
                      alone (the model as written, no hand-wired dot_general)
   mixed_float8       `with_policy(model.apply, "mixed_float8")`: every matmul
@@ -107,7 +107,7 @@ def make_variants(lm: ModuleType, vocab_size: int) -> tuple[Any, list[Variant]]:
         Variant("with_policy", jmp_policy.with_policy(model.apply, mixed)),
         Variant("autocast", jmp_policy.autocast(model.apply, mixed)),
         Variant("with_policy+f32acc", jmp_policy.with_policy(accumulating.apply, mixed)),
-        Variant("m=bf16", jmp_policy.with_policy(model.apply, "p=f32,c=bf16,o=f32,m=bf16")),
+        Variant("m=bf16", jmp_policy.with_policy(model.apply, "p=f32,c=bf16,o=f32,m=bf16,r=f32")),
         Variant(FP8_VARIANT, jmp_policy.with_policy(model.apply, "mixed_float8")),
     ]
 

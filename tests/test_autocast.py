@@ -40,6 +40,8 @@ from helpers import lowered_ops
 
 BF16_TOL = 3e-2
 MIXED = jmp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+# Products with float32 results, as `half_dot_general` gives them.
+F32_RESULTS = MIXED.with_reduce_dtype(jnp.float32)
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
@@ -68,9 +70,9 @@ def products(fn, *args, op="dot_general", platform=None):
     return [(ins, outs) for name, ins, outs in hlo_ops(fn, *args, platform=platform) if name == op]
 
 
-def assert_half_products(fn, *args, count, op="dot_general", half="bf16", platform=None):
+def assert_half_products(fn, *args, count, op="dot_general", half="bf16", out=None, platform=None):
     found = products(fn, *args, op=op, platform=platform)
-    assert found == [([half, half], ["f32"])] * count, found
+    assert found == [([half, half], [out or half])] * count, found
 
 
 def all_eqns(jaxpr):
@@ -117,7 +119,7 @@ class TestBlock:
     def test_products_half_and_sensitive_ops_float32(self):
         ops = hlo_ops(autocast(block, MIXED), X, W1, W2)
         dots = [(i, o) for n, i, o in ops if n == "dot_general"]
-        assert dots == [(["bf16", "bf16"], ["f32"])] * 2
+        assert dots == [(["bf16", "bf16"], ["bf16"])] * 2
         for name in ("exponential", "log", "rsqrt", "reduce"):
             found = [(i, o) for n, i, o in ops if n == name]
             assert found and all(set(i + o) <= {"f32"} for i, o in found), (name, found)
@@ -380,7 +382,7 @@ class TestHalfDotGeneral:
         actual, expected = run_together(fns, lhs, rhs)
         assert [g.dtype for g in actual[1]] == [BF16, F32]
         assert_close(actual, expected)
-        assert_half_products(jax.grad(approx, (0, 1)), lhs, rhs, count=3)
+        assert_half_products(jax.grad(approx, (0, 1)), lhs, rhs, count=3, out="f32")
 
     def test_result_dtype_like_lax(self):
         x, w, dims = half(X), half(W1), (((1,), (0,)), ((), ()))
@@ -392,7 +394,7 @@ class TestHalfDotGeneral:
         actual, expected = run_together(fns, ints)
         np.testing.assert_array_equal(actual, expected)
         f16 = functools.partial(half_dot_general, compute_dtype=jnp.float16)
-        assert_half_products(lambda a, b: f16(a, b, dims), X, W1, count=1, half="f16")
+        assert_half_products(lambda a, b: f16(a, b, dims), X, W1, count=1, out="f32", half="f16")
 
     def test_compute_dtype_defaults_to_the_operands_half_dtype(self):
         dims = (((1,), (0,)), ((), ()))
@@ -400,12 +402,12 @@ class TestHalfDotGeneral:
         # float16 operands (a float16 policy) multiply in float16, not bfloat16.
         f16x, f16w = X.astype(jnp.float16), W1.astype(jnp.float16)
         assert_half_products(jax.grad(lambda a, b: jnp.sin(dot(a, b)).sum(), (0, 1)), f16x, f16w,
-                             count=3, half="f16")  # fmt: skip
+                             count=3, half="f16", out="f32")  # fmt: skip
         x = jnp.asarray(np.full((1, 2), 1 + 2.0**-9, np.float16))  # exact in f16, not bf16
         assert float(dot(x, jnp.ones((2, 1), jnp.float16))[0, 0]) == 2 + 2.0**-8
         # One half operand decides; float32 operands multiply in bfloat16.
-        assert_half_products(dot, f16x, W1, count=1, half="f16")
-        assert_half_products(dot, X, W1, count=1, half="bf16")
+        assert_half_products(dot, f16x, W1, count=1, out="f32", half="f16")
+        assert_half_products(dot, X, W1, count=1, out="f32", half="bf16")
 
     @pytest.mark.parametrize("bad", [jnp.float32, "bf16", jnp.int8, 3])
     def test_bad_compute_dtype(self, bad):
@@ -427,11 +429,11 @@ class TestHalfDotGeneral:
             for fn in (
                 functools.partial(mlp_loss, half_model),
                 functools.partial(mlp_loss, model),
-                autocast(functools.partial(mlp_loss, model), MIXED),
+                autocast(functools.partial(mlp_loss, model), F32_RESULTS),
             )
         )
         for fn in (grad, auto):  # autocast of the plain model gives the same products.
-            assert_half_products(fn, params, x, count=6)
+            assert_half_products(fn, params, x, count=6, out="f32")
         actual = run_together([grad, auto, expected], params, x)
         assert_close(actual[:2], actual[2:] * 2)
 
@@ -443,7 +445,7 @@ class TestHalfDotGeneral:
         assert_close(grads.kernel[...], jax.jit(lambda k, b: 2 * x.T @ (x @ k + b))(kernel, bias))
         assert jax.eval_shape(layer, x).dtype == F32
         dims = (((1,), (0,)), ((), ()))
-        assert_half_products(lambda k: half_dot_general(x, k, dims), kernel, count=1)
+        assert_half_products(lambda k: half_dot_general(x, k, dims), kernel, count=1, out="f32")
 
 
 class Noisy(nn.Module):
@@ -493,12 +495,12 @@ class TestConvolution:
             jax.grad(fn, (0, 1))
             for fn in (
                 functools.partial(loss, half_conv),
-                autocast(functools.partial(loss, conv), MIXED),
+                autocast(functools.partial(loss, conv), F32_RESULTS),
                 functools.partial(loss, conv),
             )
         )
         for fn in (grad, auto):
-            assert_half_products(fn, params, x, count=3, op="convolution")
+            assert_half_products(fn, params, x, count=3, op="convolution", out="f32")
         actual = run_together([grad, auto, expected], params, x)
         assert_close(actual[:2], actual[2:] * 2)
 

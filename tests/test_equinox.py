@@ -67,9 +67,10 @@ def assert_grads_close(actual, expected, tol):
 
 
 def assert_half_products(text, half, count):
-    """Every matmul and convolution of a lowered program: half x half -> f32."""
+    """Every matmul and convolution of a lowered program: half x half -> half
+    (float32 accumulation; results in the reduce dtype, the compute dtype)."""
     found = [(op.name, op.operand_types, op.result_types) for op in contractions(text)]
-    wrong = [f for f in found if f[1:] != ((half, half), ("f32",))]
+    wrong = [f for f in found if f[1:] != ((half, half), (half,))]
     assert not wrong and len(found) == count, (wrong, len(found), count)
 
 

@@ -237,7 +237,7 @@ def test_the_check_sees_the_cpu_form_where_there_is_one():
     _gpu_lowering = import_benchmark("_gpu_lowering")
 
     cfg = bench.CONFIGS["tiny"]
-    variant = next(v for v in bench.VARIANTS if v.policy == "p=f32,c=bf16,o=f32,m=bf16")
+    variant = next(v for v in bench.VARIANTS if v.policy == "p=f32,c=bf16,o=f32,m=bf16,r=f32")
     tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)
     inputs = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), jnp.int32)
     params = jax.eval_shape(bench.TransformerLM(cfg).init, jax.random.key(0), inputs)

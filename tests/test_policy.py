@@ -219,7 +219,7 @@ _DTYPES = "dtypes"
         ("c=f16=", "'c=f16='", {_KEYS, _DTYPES}),
         ("c=", "'c='", {_KEYS, _DTYPES}),
         ("c=f16,bf16", "'bf16'", {_KEYS, _DTYPES}),
-        ("mixed_bfloat16,o=f16", "'mixed_bfloat16'", {_KEYS, _DTYPES}),
+        ("mixed_bfloat16,o=f16=", "'o=f16='", {_KEYS, _DTYPES}),
     ],
 )
 def test_bad_spec_raises_value_error_quoting_the_part(spec, quoted, lists):

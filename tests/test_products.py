@@ -331,7 +331,7 @@ def test_a_scope_around_a_nested_call_reaches_its_products():
     model = nn.remat(RematBlock)()
     variables = model.init(jax.random.key(0), X)
     apply = jmp.with_policy(
-        model.apply, "mixed_bfloat16", rules={"*inner": "p=f32,c=bf16,o=f32,m=bf16"}
+        model.apply, "mixed_bfloat16", rules={"*inner": "p=f32,c=bf16,o=f32,m=bf16,r=f32"}
     )
     ops = contractions(jax.jit(apply).lower(variables, X).as_text())
     # The Dense's product as written; inner's with float32 accumulation.

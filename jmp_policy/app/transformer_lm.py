@@ -72,6 +72,7 @@ class TransformerLM(nn.Module):
     width: int = 64
     depth: int = 2
     num_heads: int = 4
+    mlp_ratio: int = 4
     max_len: int = SEQ_LEN
     dtype: Any = None
     dot_general: Any = None
@@ -86,6 +87,7 @@ class TransformerLM(nn.Module):
         for _ in range(self.depth):
             x = Block(
                 self.num_heads,
+                self.mlp_ratio,
                 dtype=self.dtype,
                 dot_general=self.dot_general,
                 dot_general_cls=self.dot_general_cls,

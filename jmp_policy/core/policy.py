@@ -47,6 +47,8 @@ _KEYS = {
     "output": "output_dtype",
     "m": "matmul_dtype",
     "matmul": "matmul_dtype",
+    "r": "reduce_dtype",
+    "reduce": "reduce_dtype",
 }
 _PRESETS = {
     "mixed_bfloat16": "p=f32,c=bf16,o=f32",
@@ -238,9 +240,10 @@ class Policy:
     as jmp's `get_policy` gives them: `policy.compute_dtype is jnp.bfloat16`,
     whichever spelling (`"bf16"`, `np.dtype("bfloat16")`) built it.
 
-    It can be subclassed as jmp's can: `matmul_dtype` and `fp8_scaling` are
-    keyword-only in a subclass, so that its own fields may be required ones
-    (`@dataclasses.dataclass(frozen=True) class P(Policy): reduce_dtype: Any`).
+    It can be subclassed as jmp's can: `matmul_dtype`, `fp8_scaling` and
+    `reduce_dtype` are keyword-only in a subclass, so that its own fields may
+    be required ones (`@dataclasses.dataclass(frozen=True) class P(Policy):
+    buffer_dtype: Any`).
 
     Args:
       param_dtype: dtype parameters are stored and updated in.
@@ -248,8 +251,8 @@ class Policy:
       output_dtype: dtype of the function's result.
       matmul_dtype: dtype of the operands of matrix products, or None (the
         default, as in jmp): layers multiply in the compute dtype.
-        bfloat16/float16: half operands with float32 accumulation and
-        float32 results, forward and backward (`half_dot_general`).
+        bfloat16/float16: half operands with float32 accumulation, forward
+        and backward (`half_dot_general`), results in `reduce_dtype`.
         float8_e4m3fn: FP8 products, float32 accumulation, scaled as
         `fp8_scaling` says (`fp8_dot_general`). float4_e2m1fn: NVFP4's
         block-scaled FP4 products. A name with its scaling is accepted too
@@ -263,6 +266,14 @@ class Policy:
         block of 32 along the contraction, e4m3 everywhere; spec `m=mxfp8`).
         float4_e2m1fn takes `"nvfp4"` only (and gets it): a float8 scale per
         block of 16 and one per tensor (spec `m=nvfp4`).
+      reduce_dtype: the dtype a product's results leave it in, where its
+        operands take a matmul dtype or are cast to the compute dtype: what
+        a sharded program sums across devices (gradients reduced under data
+        parallelism and FSDP, row-parallel results under tensor
+        parallelism), as PyTorch FSDP's `reduce_dtype`. None (the default,
+        FSDP's): the compute dtype, so that no policy sends more bytes than
+        its compute dtype does; float32 (spec `r=f32`) keeps float32
+        results and sums. A product accumulates in float32 whichever it is.
 
     Raises:
       TypeError: if a dtype is not a floating dtype, or `matmul_dtype` is not
@@ -284,9 +295,10 @@ class Policy:
     output_dtype: DType
     matmul_dtype: DType | None = dataclasses.field(default=None, kw_only=True)
     fp8_scaling: str = dataclasses.field(default="tensor", kw_only=True)
+    reduce_dtype: DType | None = dataclasses.field(default=None, kw_only=True)
 
-    # All five positional here (`Policy(p, c, o, "mxfp8")`); a subclass's
-    # generated `__init__` takes the two keyword-only fields by keyword.
+    # The first five positional here (`Policy(p, c, o, "mxfp8")`); a subclass's
+    # generated `__init__` takes the keyword-only fields by keyword.
     def __init__(
         self,
         param_dtype: Any,
@@ -294,6 +306,8 @@ class Policy:
         output_dtype: Any,
         matmul_dtype: Any = None,
         fp8_scaling: str = "tensor",
+        *,
+        reduce_dtype: Any = None,
     ) -> None:
         for name, value in (
             ("param_dtype", param_dtype),
@@ -301,6 +315,7 @@ class Policy:
             ("output_dtype", output_dtype),
             ("matmul_dtype", matmul_dtype),
             ("fp8_scaling", fp8_scaling),
+            ("reduce_dtype", reduce_dtype),
         ):
             object.__setattr__(self, name, value)
         self.__post_init__()
@@ -321,6 +336,15 @@ class Policy:
         scaling = _check_matmul_scaling(matmul, scaling)
         object.__setattr__(self, "matmul_dtype", None if matmul is None else _SCALAR_TYPES[matmul])
         object.__setattr__(self, "fp8_scaling", scaling)
+        reduce: Any = None
+        if self.reduce_dtype is not None:
+            reduce = _to_float_dtype(self.reduce_dtype, "reduce_dtype")
+        # The compute dtype is the default: one policy, one spelling.
+        if reduce is not None and reduce != np.dtype(self.compute_dtype):
+            reduce = _SCALAR_TYPES[reduce]
+        else:
+            reduce = None
+        object.__setattr__(self, "reduce_dtype", reduce)
 
     def cast_to_param(self, x: T) -> T:
         """Casts the floating point arrays of a pytree to the param dtype."""
@@ -372,6 +396,15 @@ class Policy:
         matmul: Any = dtype  # Normalised to a scalar type by __post_init__.
         return dataclasses.replace(self, matmul_dtype=matmul, fp8_scaling=scaling)
 
+    def with_reduce_dtype(self, reduce_dtype: Any) -> Policy:
+        """Returns a copy of this policy with another reduce dtype (None: the compute dtype).
+
+        >>> import jmp_policy as jmp
+        >>> str(jmp.get_policy("p=f32,c=bf16,o=f32,m=bf16").with_reduce_dtype("f32"))
+        'p=full,c=bf16,o=full,m=bf16,r=full'
+        """
+        return dataclasses.replace(self, reduce_dtype=reduce_dtype)
+
     def with_fp8_scaling(self, fp8_scaling: str) -> Policy:
         """Returns a copy of this policy with another scaling of its FP8 matmul dtype
         (`"tensor"`, `"rowwise"`, `"mxfp8"`).
@@ -387,10 +420,12 @@ class Policy:
             _DTYPE_NAMES[np.dtype(d)][0]
             for d in (self.param_dtype, self.compute_dtype, self.output_dtype)
         )
-        if self.matmul_dtype is None:
-            return f"p={p},c={c},o={o}"  # jmp's form, for every jmp policy.
-        m = _MATMUL_NAMES[np.dtype(self.matmul_dtype), self.fp8_scaling][0]
-        return f"p={p},c={c},o={o},m={m}"
+        text = f"p={p},c={c},o={o}"  # jmp's form, for every jmp policy.
+        if self.matmul_dtype is not None:
+            text += f",m={_MATMUL_NAMES[np.dtype(self.matmul_dtype), self.fp8_scaling][0]}"
+        if self.reduce_dtype is not None:
+            text += f",r={_DTYPE_NAMES[np.dtype(self.reduce_dtype)][0]}"
+        return text
 
 
 def _parse_dtype(value: str) -> np.dtype:
@@ -421,14 +456,18 @@ def get_policy(spec: str | Policy) -> Policy:
 
     A spec is a dtype name (all three dtypes), a preset (`mixed_bfloat16`,
     `mixed_float16`) or comma-separated `key=dtype` parts with keys
-    `p`/`params`, `c`/`compute`, `o`/`output`, `m`/`matmul`. Params default
-    to float32, compute follows params and output follows compute; the
-    matmul dtype (`bf16`, `f16`, `f8` = float8_e4m3fn, `f8_rowwise` for FP8
-    with row-wise scaling, and the block formats `mxfp8` and `nvfp4`) is None
-    unless given. Presets: `mixed_float8` is `p=f32,c=bf16,o=f32,m=f8`, and
+    `p`/`params`, `c`/`compute`, `o`/`output`, `m`/`matmul`, `r`/`reduce`.
+    Params default to float32, compute follows params and output follows
+    compute; the matmul dtype (`bf16`, `f16`, `f8` = float8_e4m3fn,
+    `f8_rowwise` for FP8 with row-wise scaling, and the block formats `mxfp8`
+    and `nvfp4`) is None unless given; the reduce dtype (what products'
+    results, and so the sums across devices, are in) follows compute.
+    Presets: `mixed_float8` is `p=f32,c=bf16,o=f32,m=f8`, and
     `mixed_float8_rowwise`, `mixed_mxfp8`, `mixed_nvfp4` the same with
-    `m=f8_rowwise`, `m=mxfp8`, `m=nvfp4`. White space around `,` and `=` is
-    ignored. A `Policy` is returned unchanged.
+    `m=f8_rowwise`, `m=mxfp8`, `m=nvfp4`. A preset may be followed by
+    key=dtype parts, which replace its own (`"mixed_bfloat16,r=f32"`).
+    White space around `,` and `=` is ignored. A `Policy` is returned
+    unchanged.
 
     Args:
       spec: the spec string, e.g. `"p=f32,c=bf16,o=f32"`, or a `Policy`.
@@ -453,12 +492,20 @@ def get_policy(spec: str | Policy) -> Policy:
     >>> policy = jmp.get_policy("mixed_nvfp4")
     >>> policy.matmul_dtype, policy.fp8_scaling
     (<class 'jax.numpy.float4_e2m1fn'>, 'nvfp4')
+    >>> str(jmp.get_policy("p=f32,c=bf16,o=f32,m=bf16,r=f32"))
+    'p=full,c=bf16,o=full,m=bf16,r=full'
     """
     if isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"get_policy expects a spec string or a Policy, got {spec!r}.")
     text = _PRESETS.get(spec.strip(), spec)
+    head, _, tail = text.partition(",")
+    if head.strip() in _PRESETS:
+        # A preset and key=dtype parts ("mixed_bfloat16,r=f32"): the parts win.
+        replaced = {_KEYS.get(part.partition("=")[0].strip()) for part in tail.split(",")}
+        own = _PRESETS[head.strip()].split(",")
+        text = ",".join([*(p for p in own if _KEYS[p.split("=")[0]] not in replaced), tail])
     if "=" not in text:
         name = text.strip()
         if name not in _NAME_TO_DTYPE and name != "half":
@@ -494,7 +541,7 @@ def get_policy(spec: str | Policy) -> Policy:
             raise ValueError(
                 f"Duplicate key {key!r} in policy spec {spec!r}: {field} is already set by "
                 f"{given[field]!r}; give each of param (p/params), compute (c/compute), "
-                "output (o/output) and matmul (m/matmul) at most once."
+                "output (o/output), matmul (m/matmul) and reduce (r/reduce) at most once."
             )
         given[field] = part.strip()
         if field == "matmul_dtype":
@@ -504,7 +551,10 @@ def get_policy(spec: str | Policy) -> Policy:
     param = dtypes.get("param_dtype", np.dtype(np.float32))
     compute = dtypes.get("compute_dtype", param)
     output = dtypes.get("output_dtype", compute)
-    return Policy(param, compute, output, dtypes.get("matmul_dtype"), scaling)
+    return Policy(
+        param, compute, output, dtypes.get("matmul_dtype"), scaling,
+        reduce_dtype=dtypes.get("reduce_dtype"),
+    )  # fmt: skip
 
 
 def cast_to_full(tree: T) -> T:

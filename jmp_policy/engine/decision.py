@@ -81,6 +81,13 @@ class Rules:
     # whether one may name an FP8 or FP4 matmul dtype.
     scoped: bool = False
     scaled_scopes: bool = False
+    # The dtype a rewritten product's results leave it in (what a sharded
+    # program sums across devices); None: the compute dtype.
+    reduce_dtype: np.dtype | None = None
+
+    @property
+    def results_in(self) -> np.dtype:
+        return self.compute_dtype if self.reduce_dtype is None else self.reduce_dtype
 
     @property
     def only_products(self) -> bool:
@@ -95,11 +102,12 @@ def matmul_rules(
     scoped: bool = False,
     scaled_scopes: bool = False,
     compute_dtype: Any = _F32,
+    reduce_dtype: Any = None,
 ) -> Rules:
     """The `Rules` of `matmuls_in`: every `dot_general` takes `matmul_dtype`'s
     product; without one, a product whose operands are wider than
     `compute_dtype` takes them in it (float32 accumulation), the others run
-    as written."""
+    as written. Their results are in `reduce_dtype` (None: `compute_dtype`)."""
     return Rules(
         compute_dtype=np.dtype(compute_dtype),
         half=HALF_PRIMITIVES,
@@ -109,13 +117,17 @@ def matmul_rules(
         fp8_scaling=fp8_scaling,
         scoped=scoped,
         scaled_scopes=scaled_scopes,
+        reduce_dtype=None if reduce_dtype is None else np.dtype(reduce_dtype),
     )
 
 
-def policy_products(policy: Policy) -> tuple[np.dtype, np.dtype | None, str]:
-    """What decides a product under `policy`: its compute dtype, matmul dtype and FP8 scaling."""
+def policy_products(policy: Policy) -> tuple[np.dtype, np.dtype | None, str, np.dtype]:
+    """What decides a product under `policy`: its compute dtype, matmul dtype, FP8
+    scaling and the dtype its results take (the reduce dtype)."""
     m = None if policy.matmul_dtype is None else np.dtype(policy.matmul_dtype)
-    return np.dtype(policy.compute_dtype), m, policy.fp8_scaling
+    c = np.dtype(policy.compute_dtype)
+    r = c if policy.reduce_dtype is None else np.dtype(policy.reduce_dtype)
+    return c, m, policy.fp8_scaling, r
 
 
 def product_rules(policy: Policy, *, scaled_scopes: bool) -> Rules:
@@ -123,5 +135,7 @@ def product_rules(policy: Policy, *, scaled_scopes: bool) -> Rules:
     compute dtype (where its operands are wider) or its matmul dtype, except
     inside a `product_scope` (a module a rule gives other ones; with
     `scaled_scopes`, one may name an FP8 or FP4 matmul dtype)."""
-    c, m, scaling = policy_products(policy)
-    return matmul_rules(m, scaling, scoped=True, scaled_scopes=scaled_scopes, compute_dtype=c)
+    c, m, scaling, r = policy_products(policy)
+    return matmul_rules(
+        m, scaling, scoped=True, scaled_scopes=scaled_scopes, compute_dtype=c, reduce_dtype=r
+    )

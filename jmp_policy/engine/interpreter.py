@@ -231,7 +231,7 @@ _HIGHER_ORDER[ji.custom_vjp_call_p] = _custom_vjp_rule
 # `product_scope` markers: a module (or any code) whose products take another
 # compute or matmul dtype than the code around it, read back from the name stack.
 _SCOPE = "jmp_policy_products"
-_SCOPE_NAME = re.compile(re.escape(_SCOPE) + r"\[c=(\w+);m=(\w+);s=(\w+)\]")
+_SCOPE_NAME = re.compile(re.escape(_SCOPE) + r"\[c=(\w+);m=(\w+);s=(\w+);r=(\w+)\]")
 # The name stack outside the program being traced: JAX traces nested programs
 # (loop bodies, checkpointed and custom_jvp functions) with an empty one.
 _OUTER_STACK: contextvars.ContextVar[str] = contextvars.ContextVar("outer_stack", default="")
@@ -257,51 +257,66 @@ def _in_scope(fn: Callable) -> Callable:
 
 
 def product_scope(
-    compute_dtype: Any, matmul_dtype: Any, fp8_scaling: str = "tensor"
+    compute_dtype: Any, matmul_dtype: Any, fp8_scaling: str = "tensor", reduce_dtype: Any = None
 ) -> contextlib.AbstractContextManager:
     """Marks the products traced inside it for `matmuls_in(..., scoped=True)`.
 
     They take `compute_dtype` operands where theirs are wider, or
     `matmul_dtype`'s product (None: none; FP8 or FP4 with `fp8_scaling`),
-    whatever the code around them takes.
+    and give results in `reduce_dtype` (None: `compute_dtype`), whatever the
+    code around them takes.
     """
     m = "none" if matmul_dtype is None else np.dtype(matmul_dtype).name
     c = np.dtype(compute_dtype).name
-    return jax.named_scope(f"{_SCOPE}[c={c};m={m};s={fp8_scaling}]")
+    r = c if reduce_dtype is None else np.dtype(reduce_dtype).name
+    return jax.named_scope(f"{_SCOPE}[c={c};m={m};s={fp8_scaling};r={r}]")
 
 
-def _products_here(rules: Rules) -> tuple[np.dtype, np.dtype | None, str]:
-    """`(compute dtype, matmul dtype, FP8 scaling)` of a product: its innermost
-    scope's under scoped rules, else the rules' own."""
+def _products_here(rules: Rules) -> tuple[np.dtype, np.dtype | None, str, np.dtype]:
+    """`(compute dtype, matmul dtype, FP8 scaling, reduce dtype)` of a product:
+    its innermost scope's under scoped rules, else the rules' own."""
     names = _SCOPE_NAME.findall(_name_stack()) if rules.scoped else ()
     if not names:
-        return rules.compute_dtype, rules.matmul_dtype, rules.fp8_scaling
-    c, m, scaling = names[-1]
-    return np.dtype(c), (None if m == "none" else np.dtype(m)), scaling
+        return rules.compute_dtype, rules.matmul_dtype, rules.fp8_scaling, rules.results_in
+    c, m, scaling, r = names[-1]
+    return np.dtype(c), (None if m == "none" else np.dtype(m)), scaling, np.dtype(r)
 
 
-def _matmul_dtype_product(eqn, invals, rules, m, scaling):
+def _results_dtype(invals, out_dtype, reduce_dtype):
+    """The dtype a rewritten product gives its results in, before they take the
+    program's: the reduce dtype (float32 for a wider one), except for
+    operands already no wider than it whose wider result the program asked for."""
+    if reduce_dtype.itemsize >= _F32.itemsize:
+        return _F32
+    asked = np.dtype(out_dtype).itemsize > reduce_dtype.itemsize and all(
+        x.dtype.itemsize <= reduce_dtype.itemsize for x in invals
+    )
+    return _F32 if asked else reduce_dtype
+
+
+def _matmul_dtype_product(eqn, invals, rules, m, scaling, r):
     """A dot_general under the matmul dtype `m`, or None where that does not apply."""
     if m is None or eqn.primitive is not ji.dot_general_p:
         return None  # Convolutions run in the compute dtype, also under FP8.
     lhs, rhs = invals
     product, out_dtype = product_of(eqn), eqn.outvars[0].aval.dtype
+    results = _results_dtype(invals, out_dtype, r)
     if rules.products == "vjp":
         if m in SCALED_MATMUL_DTYPES:
             p = ji.dot_params(eqn)
             return fp8_product(lhs, rhs, p.dimension_numbers, out_dtype, scaling,
                                p.precision, p.out_sharding)  # fmt: skip
-        return _accumulating(eqn, product, lhs, rhs, m, out_dtype)
+        return _accumulating(eqn, product, lhs, rhs, m, out_dtype, results)
     if m in SCALED_MATMUL_DTYPES:
         # Inside a JVP rule JAX transposes the products itself, which an
         # unscaled FP8 cast cannot survive: the compute dtype there.
         return None
-    return cast(product(cast(lhs, m), cast(rhs, m), _F32), out_dtype)
+    return cast(product(cast(lhs, m), cast(rhs, m), results), out_dtype)
 
 
 def _product_rule(eqn, invals, rules):
-    c, m, scaling = _products_here(rules)
-    out = _matmul_dtype_product(eqn, invals, rules, m, scaling)
+    c, m, scaling, r = _products_here(rules)
+    out = _matmul_dtype_product(eqn, invals, rules, m, scaling, r)
     if out is not None:
         return out
     lhs, rhs = invals
@@ -313,18 +328,21 @@ def _product_rule(eqn, invals, rules):
         # The program asked for a half result: JAX's own backward is half too.
         return ji.bind(eqn, [cast(lhs, c), cast(rhs, c)])
     product = product_of(eqn)
+    results = _results_dtype(invals, out_dtype, r)
     if rules.products == "plain" or c.itemsize >= _F32.itemsize:
-        return cast(product(cast(lhs, c), cast(rhs, c), _F32), out_dtype)
-    return _accumulating(eqn, product, lhs, rhs, c, out_dtype)
+        return cast(product(cast(lhs, c), cast(rhs, c), results), out_dtype)
+    return _accumulating(eqn, product, lhs, rhs, c, out_dtype, results)
 
 
-def _accumulating(eqn, product, lhs, rhs, compute_dtype, out_dtype):
+def _accumulating(eqn, product, lhs, rhs, compute_dtype, out_dtype, results_dtype):
     """`accumulating_product`; a dot through `accumulating_dot`, traced once per signature."""
     if eqn.primitive is ji.dot_general_p:
         p = ji.dot_params(eqn)
-        return accumulating_dot(lhs, rhs, p.dimension_numbers, p.precision,
-                                p.out_sharding, compute_dtype, out_dtype)  # fmt: skip
-    return accumulating_product(product, lhs, rhs, compute_dtype, out_dtype)
+        dims, precision, sharding = p.dimension_numbers, p.precision, p.out_sharding
+        return accumulating_dot(
+            lhs, rhs, dims, precision, sharding, compute_dtype, out_dtype, results_dtype
+        )
+    return accumulating_product(product, lhs, rhs, compute_dtype, out_dtype, results_dtype)
 
 
 # Per program: the widest floating operand (in bytes) of a product in it or in
@@ -367,7 +385,7 @@ def _runs_as_traced(eqn: ji.JaxprEqn, rules: Rules) -> bool:
     widest = max((w for w, _ in found), default=0)
     if widest == 0:
         return True
-    c, m, _ = _products_here(rules)
+    c, m, _, _ = _products_here(rules)
     return m is None and widest <= c.itemsize
 
 
@@ -517,6 +535,7 @@ def matmuls_in(
     *,
     scoped: bool = False,
     shared: bool = False,
+    reduce_dtype: Any = None,
 ) -> Callable:
     """`fn` with every `dot_general` taking `matmul_dtype`'s product; all else as written.
 
@@ -533,9 +552,12 @@ def matmuls_in(
     signature, an inlined `jax.jit`; their results must be arrays. The caller
     vouches that `fn` reads nothing but its arguments: what it read otherwise
     (an array, a variable, a module's attribute) would stay as first traced.
-    jmp_policy shares only Flax's own `dot_product_attention`.
+    jmp_policy shares only Flax's own `dot_product_attention`. Products give
+    their results in `reduce_dtype` (see `half_dot_general`; None: float32).
     """
-    rules = matmul_rules(matmul_dtype, fp8_scaling, scoped=scoped, scaled_scopes=scoped)
+    rules = matmul_rules(
+        matmul_dtype, fp8_scaling, scoped=scoped, scaled_scopes=scoped, reduce_dtype=reduce_dtype
+    )
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):

@@ -175,7 +175,7 @@ def autocast(
     if not callable(fn):
         raise TypeError(f"autocast expects a function as its first argument, got {fn!r}.")
     policy = get_policy(policy)
-    c, m, scaling = policy_products(policy)
+    c, m, scaling, r = policy_products(policy)
     rules = Rules(
         compute_dtype=c,
         half=_primitive_names(half_primitives, "half_primitives"),
@@ -183,6 +183,7 @@ def autocast(
         promote=_primitive_names(promote_primitives, "promote_primitives"),
         matmul_dtype=m,
         fp8_scaling=scaling,
+        reduce_dtype=r,
     )
 
     # Not `functools.wraps`: it would copy `fn.__dict__`, and with it the

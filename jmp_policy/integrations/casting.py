@@ -37,6 +37,7 @@ from jax import lax
 from jmp_policy.core import jax_internals
 from jmp_policy.core.dtypes import is_complex
 from jmp_policy.core.policy import Policy
+from jmp_policy.engine.decision import policy_products
 from jmp_policy.engine.interpreter import matmuls_in
 from jmp_policy.engine.products.matmul_dtype import (
     asks_full_precision,
@@ -194,7 +195,8 @@ def matmul_overrides(module: Any, policy: Policy, *, rewritten: bool = False) ->
     rewritten), a dense layer multiplying with `lax.dot_general` is left to
     the rewrite: one product fewer to trace.
     """
-    dot_general = matmul_dot_general(policy.matmul_dtype, policy.fp8_scaling)
+    m, scaling, r = policy.matmul_dtype, policy.fp8_scaling, policy_products(policy)[3]
+    dot_general = matmul_dot_general(m, scaling, reduce_dtype=r)
     if dot_general is None:
         return {}
     overrides: dict[str, Any] = {}
@@ -212,15 +214,13 @@ def matmul_overrides(module: Any, policy: Policy, *, rewritten: bool = False) ->
         # for what FP8 products save in this trace (set per call by linen).
         overrides["attention_fn"] = functools.partial(
             module.attention_fn,
-            einsum_dot_general=traced_dot_general(policy.matmul_dtype, policy.fp8_scaling),
+            einsum_dot_general=traced_dot_general(m, scaling, r),
         )
         # Flax rejects these together with einsum_dot_general.
         overrides["qk_attn_weights_einsum_cls"] = None
         overrides["attn_weights_value_einsum_cls"] = None
     if isinstance(module, nnx.Einsum):
-        overrides["einsum_op"] = functools.partial(
-            _einsum_as_traced, policy.matmul_dtype, policy.fp8_scaling
-        )
+        overrides["einsum_op"] = functools.partial(_einsum_as_traced, m, scaling, r)
     if isinstance(module, nnx.MultiHeadAttention):
         # Every layer's attention has the same shapes: Flax's own, which reads
         # nothing but its arguments, shares one rewrite (traced once for all
@@ -228,15 +228,17 @@ def matmul_overrides(module: Any, policy: Policy, *, rewritten: bool = False) ->
         # temperature): rewritten per call, never stale.
         own = module.attention_fn is nnx.dot_product_attention
         overrides["attention_fn"] = matmuls_in(
-            module.attention_fn, policy.matmul_dtype, policy.fp8_scaling, shared=own
+            module.attention_fn, m, scaling, shared=own, reduce_dtype=r
         )
     return overrides
 
 
-def _einsum_as_traced(matmul_dtype: Any, fp8_scaling: str, *args: Any, **kwargs: Any) -> Any:
+def _einsum_as_traced(
+    matmul_dtype: Any, fp8_scaling: str, reduce_dtype: Any, *args: Any, **kwargs: Any
+) -> Any:
     """`jnp.einsum` with the product `traced_dot_general` picks as it is traced
     (NNX sets `einsum_op` once, before any trace)."""
-    dot_general = traced_dot_general(matmul_dtype, fp8_scaling)
+    dot_general = traced_dot_general(matmul_dtype, fp8_scaling, reduce_dtype)
     assert dot_general is not None  # Set only for a policy with a matmul dtype.
     return jax_internals.einsum_with_dot_general(dot_general)(*args, **kwargs)
 

@@ -72,11 +72,14 @@ def product_of(eqn: ji.JaxprEqn) -> Product:
     return conv
 
 
-def _accumulate_in_float32(eqn: ji.JaxprEqn, invals: list[Any]) -> Any:
-    """Runs one equation of a transposed product: products accumulate into float32."""
+def _accumulate_in_float32(
+    eqn: ji.JaxprEqn, invals: list[Any], results_dtype: np.dtype = F32
+) -> Any:
+    """Runs one equation of a transposed product: products accumulate into
+    float32 and give their results in `results_dtype`."""
     if eqn.primitive in (ji.dot_general_p, ji.conv_general_dilated_p):
         lhs, rhs = invals
-        return product_of(eqn)(lhs, rhs, F32)
+        return product_of(eqn)(lhs, rhs, results_dtype)
     # Layout ops between products (transpose, reshape, rev, pad) take the
     # widest input dtype, so a float32 partial result is never rounded to half.
     floats = [x.dtype for x in invals if is_float(x)]
@@ -87,16 +90,24 @@ def _accumulate_in_float32(eqn: ji.JaxprEqn, invals: list[Any]) -> Any:
 
 
 def accumulating_product(
-    product: Product, lhs: Any, rhs: Any, compute_dtype: np.dtype, out_dtype: np.dtype
+    product: Product,
+    lhs: Any,
+    rhs: Any,
+    compute_dtype: np.dtype,
+    out_dtype: np.dtype,
+    results_dtype: np.dtype = F32,
 ) -> jax.Array:
     """`product(lhs, rhs)` on half operands with float32 accumulation, both passes.
 
     `product(a, b, preferred_element_type)` is bilinear (a dot or a convolution).
-    Forward: half x half -> float32, cast to `out_dtype`; the half operands are
-    saved. Backward: the cotangent is cast to half, each transposed product is
-    half x half -> float32, and is cast to its primal's dtype.
+    Forward: half x half -> `results_dtype` (float32 accumulation), cast to
+    `out_dtype`; the half operands are saved. Backward: the cotangent is cast
+    to half, each transposed product is half x half -> `results_dtype`, and
+    is cast to its primal's dtype. What a sharded program sums across
+    devices is the products' results: `results_dtype` is the dtype of those sums.
     """
-    f = _accumulating(product, compute_dtype, out_dtype, lhs.dtype, rhs.dtype, shared=False)
+    dtypes = (compute_dtype, out_dtype, lhs.dtype, rhs.dtype, np.dtype(results_dtype))
+    f = _accumulating(product, *dtypes, shared=False)
     return call_reverse_mode_only(f, lhs, rhs, _JVP_UNSUPPORTED)
 
 
@@ -108,6 +119,7 @@ def accumulating_dot(
     out_sharding: Any,
     compute_dtype: np.dtype,
     out_dtype: np.dtype,
+    results_dtype: np.dtype = F32,
 ) -> jax.Array:
     """`accumulating_product` of `lax.dot_general`, traced once per signature.
 
@@ -119,7 +131,7 @@ def accumulating_dot(
     """
     f = _shared_accumulating_dot(
         dims_key(dimension_numbers), precision, out_sharding,
-        *map(np.dtype, (compute_dtype, out_dtype, lhs.dtype, rhs.dtype)),
+        *map(np.dtype, (compute_dtype, out_dtype, lhs.dtype, rhs.dtype, results_dtype)),
         # A trace made under the other setting of the CPU form is not reused.
         cpu_form=cpu_form.in_use(),
     )  # fmt: skip
@@ -164,6 +176,7 @@ def _accumulating(
     out_dtype: np.dtype,
     lhs_dtype: np.dtype,
     rhs_dtype: np.dtype,
+    results_dtype: np.dtype,
     *,
     shared: bool,
 ) -> Callable:
@@ -176,7 +189,7 @@ def _accumulating(
 
     def fwd(lhs, rhs):
         lhs, rhs = cast(lhs, compute_dtype), cast(rhs, compute_dtype)
-        return cast(product(lhs, rhs, F32), out_dtype), (lhs, rhs)
+        return cast(product(lhs, rhs, results_dtype), out_dtype), (lhs, rhs)
 
     def backward(lhs, rhs, g):
         g = cast(g, compute_dtype)
@@ -190,7 +203,8 @@ def _accumulating(
         closed = jax.make_jaxpr(transposes)(lhs, rhs, g)
         # ... then run with each product accumulating into float32.
         args = [lhs, rhs, g]
-        lhs_bar, rhs_bar = ji.eval_jaxpr(closed.jaxpr, closed.consts, args, _accumulate_in_float32)
+        run = functools.partial(_accumulate_in_float32, results_dtype=results_dtype)
+        lhs_bar, rhs_bar = ji.eval_jaxpr(closed.jaxpr, closed.consts, args, run)
         return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
 
     bwd: Callable = ji.inlined_jit(backward) if shared else backward
@@ -302,6 +316,7 @@ def half_dot_general(
     *,
     out_sharding: Any = None,
     compute_dtype: jax.typing.DTypeLike | None = None,
+    reduce_dtype: jax.typing.DTypeLike | None = None,
 ) -> jax.Array:
     """`lax.dot_general` on half operands with float32 accumulation in both passes.
 
@@ -323,6 +338,9 @@ def half_dot_general(
     Args:
       compute_dtype: the dtype the operands are multiplied in: jnp.bfloat16,
         jnp.float16, or None for the operands' half dtype (else bfloat16).
+      reduce_dtype: the dtype the products (forward and backward) give their
+        results in before these take their own dtypes: what a sharded
+        program sums across devices (a policy's `r=`). None: float32.
 
     Returns:
       The product, in the dtype `lax.dot_general` would give.
@@ -353,7 +371,21 @@ def half_dot_general(
         lhs, rhs, dims, precision, preferred_element_type, "half_dot_general"
     )
     compute = _half_compute_dtype(compute_dtype, lhs, rhs)
-    return accumulating_dot(lhs, rhs, dims, precision, out_sharding, compute, out_dtype)
+    results = F32 if reduce_dtype is None else _to_results_dtype(reduce_dtype)
+    return accumulating_dot(lhs, rhs, dims, precision, out_sharding, compute, out_dtype, results)
+
+
+def _to_results_dtype(reduce_dtype: Any) -> np.dtype:
+    try:
+        dtype = np.dtype(reduce_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in (*HALF_DTYPES, F32):
+        raise TypeError(
+            f"reduce_dtype must be jnp.bfloat16, jnp.float16, jnp.float32 or None "
+            f"(float32), got {reduce_dtype!r}."
+        )
+    return dtype
 
 
 def half_conv_general_dilated(

@@ -44,13 +44,17 @@ def asks_full_precision(precision: Any) -> bool:
 
 
 def matmul_dot_general(
-    matmul_dtype: Any, fp8_scaling: str = "tensor", residuals: str | None = None
+    matmul_dtype: Any,
+    fp8_scaling: str = "tensor",
+    residuals: str | None = None,
+    reduce_dtype: Any = None,
 ) -> Callable | None:
     """The `dot_general` a policy's `matmul_dtype` asks for (None: the layers' own).
 
     `fp8_scaling` (`"tensor"`, `"rowwise"`, `"mxfp8"`, `"nvfp4"`) and
     `residuals` (what an FP8 product saves, see `fp8_dot_general`) apply to
-    an FP8 or FP4 matmul dtype. A product the layer asks for at full
+    an FP8 or FP4 matmul dtype, `reduce_dtype` (the dtype results are given
+    in, see `half_dot_general`; None: float32) to a half one. A product the layer asks for at full
     precision (`precision=HIGHEST`) runs as `lax.dot_general`. One object per
     arguments, so that modules given it compare equal across calls, and a
     jitted function taking it as a static argument (`jnp.einsum`) traces
@@ -59,15 +63,19 @@ def matmul_dot_general(
     if matmul_dtype is None:
         return None
     # Cached on the np.dtype: `jnp.bfloat16` and `np.dtype("bfloat16")` hash apart.
-    return _dot_general_for(np.dtype(matmul_dtype), fp8_scaling, residuals)
+    reduce = None if reduce_dtype is None else np.dtype(reduce_dtype)
+    return _dot_general_for(np.dtype(matmul_dtype), fp8_scaling, residuals, reduce)
 
 
 @functools.cache
-def _dot_general_for(matmul_dtype: np.dtype, fp8_scaling: str, residuals: str | None) -> Callable:
+def _dot_general_for(
+    matmul_dtype: np.dtype, fp8_scaling: str, residuals: str | None, reduce: np.dtype | None
+) -> Callable:
     if matmul_dtype in SCALED_MATMUL_DTYPES:
         product = functools.partial(fp8_dot_general, scaling=fp8_scaling, residuals=residuals)
     else:
-        product = functools.partial(half_dot_general, compute_dtype=matmul_dtype)
+        product = functools.partial(half_dot_general, compute_dtype=matmul_dtype,
+                                    reduce_dtype=reduce)  # fmt: skip
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                     **kwargs):  # fmt: skip
@@ -77,9 +85,12 @@ def _dot_general_for(matmul_dtype: np.dtype, fp8_scaling: str, residuals: str | 
     return dot_general
 
 
-def traced_dot_general(matmul_dtype: Any, fp8_scaling: str = "tensor") -> Callable | None:
+def traced_dot_general(
+    matmul_dtype: Any, fp8_scaling: str = "tensor", reduce_dtype: Any = None
+) -> Callable | None:
     """`matmul_dot_general` for what FP8 products save in the trace under way: for a
     function that takes it as a static argument (`jnp.einsum`), whose trace JAX
     reuses for equal arguments whatever derivatives the caller is under."""
     scaled = matmul_dtype is not None and np.dtype(matmul_dtype) in SCALED_MATMUL_DTYPES
-    return matmul_dot_general(matmul_dtype, fp8_scaling, residual_form(None) if scaled else None)
+    residuals = residual_form(None) if scaled else None
+    return matmul_dot_general(matmul_dtype, fp8_scaling, residuals, reduce_dtype)
