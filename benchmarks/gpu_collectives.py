@@ -39,6 +39,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -156,9 +157,16 @@ def sharded_inputs(layout: str, mesh: jax.sharding.Mesh) -> tuple[Any, Any, Any]
 @dataclasses.dataclass(frozen=True)
 class Collective:
     kind: str  # e.g. "all-reduce"
-    element_types: tuple[str, ...]
-    result_bytes: float
+    bytes_by_type: tuple[tuple[str, float], ...]  # Of its result (a combined one: several).
     group: int
+
+    @property
+    def element_types(self) -> tuple[str, ...]:
+        return tuple(t for t, _ in self.bytes_by_type)
+
+    @property
+    def result_bytes(self) -> float:
+        return sum(b for _, b in self.bytes_by_type)
 
     @property
     def wire_bytes(self) -> float:
@@ -194,13 +202,11 @@ def collectives(hlo: str, devices: int) -> list[Collective]:
                 continue
             # A `-done`'s groups are its start's.
             source = starts.get(i.operands[0], i) if i.opcode.endswith("-done") else i
-            arrays = _ARRAY.findall(i.type)
-            size = sum(_BYTES.get(t, 4) * np.prod([int(d) for d in dims.split(",") if d] or [1])
-                       for t, dims in arrays)  # fmt: skip
-            types = tuple(sorted({t for t, _ in arrays}))
-            found.append(
-                Collective(kind, types, float(size), group_size(source.attributes, devices))
-            )
+            by_type: collections.Counter[str] = collections.Counter()
+            for t, dims in _ARRAY.findall(i.type):
+                by_type[t] += _BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
+            group = group_size(source.attributes, devices)
+            found.append(Collective(kind, tuple(sorted(by_type.items())), group))
     return found
 
 
