@@ -133,12 +133,11 @@ def assert_all_half(counts):
 
 def assert_fp8(counts, kept_out=0):
     """Every product FP8 except `kept_out` bf16 ones (a rule); forward e4m3 x e4m3,
-    every backward product one e5m2 (the output gradient) and one e4m3 operand."""
-    fwd = counts.pop((("f8E4M3FN", "f8E4M3FN"), "f32"), 0)
+    every backward product one e5m2 (the output gradient) and one e4m3 operand;
+    results in the reduce dtype (the compute dtype, bf16)."""
+    fwd = counts.pop((("f8E4M3FN", "f8E4M3FN"), "bf16"), 0)
     bwd = sum(
-        counts.pop(((a, b), r), 0)
-        for a, b in [("f8E5M2", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2")]
-        for r in ("f32", "bf16")
+        counts.pop(((a, b), "bf16"), 0) for a, b in [("f8E5M2", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2")]
     )
     others = sum(counts.values())
     assert fwd > 0 and bwd == 2 * fwd, (fwd, bwd, counts)
@@ -271,7 +270,7 @@ def test_linen_conv_under_fp8_runs_in_compute_dtype():
     text = jax.jit(jmp.with_policy(model.apply, "mixed_float8")).lower(variables, x).as_text()
     conv = [line for line in text.splitlines() if "stablehlo.convolution" in line]
     assert len(conv) == 1 and "xbf16>" in conv[0] and "f8" not in conv[0], conv
-    assert dot_types(text) == {(("f8E4M3FN", "f8E4M3FN"), "f32"): 1}
+    assert dot_types(text) == {(("f8E4M3FN", "f8E4M3FN"), "bf16"): 1}  # The reduce dtype.
 
 
 # ---------------------------------------------------------------- numerics

@@ -305,7 +305,7 @@ def _matmul_dtype_product(eqn, invals, rules, m, scaling, r):
         if m in SCALED_MATMUL_DTYPES:
             p = ji.dot_params(eqn)
             return fp8_product(lhs, rhs, p.dimension_numbers, out_dtype, scaling,
-                               p.precision, p.out_sharding)  # fmt: skip
+                               p.precision, p.out_sharding, results_dtype=results)  # fmt: skip
         return _accumulating(eqn, product, lhs, rhs, m, out_dtype, results)
     if m in SCALED_MATMUL_DTYPES:
         # Inside a JVP rule JAX transposes the products itself, which an

@@ -60,6 +60,7 @@ from jmp_policy.engine.products.half import (
     dims_key,
     dot_product,
     float_dot_operands,
+    results_dtype_of,
     shared_factory,
 )
 from jmp_policy.engine.residuals import check_residuals, residual_form, to_be_saved_quantized
@@ -167,12 +168,13 @@ class _Layout:
 Bilinear = Callable[[Any, Any], Any]  # `(a, b) -> the float32 product`
 
 
-def _transposed(product: Any, lhs: Any, rhs: Any, side: str) -> Bilinear:
+def _transposed(product: Any, lhs: Any, rhs: Any, side: str, results: np.dtype) -> Bilinear:
     """`(g, other) -> d side` of `product(lhs, rhs)` for output gradient `g`.
 
     JAX's own transpose rule, traced once on float32 stand-ins of the shapes
     (FP8 values cannot be traced through `linear_transpose`), then run on
-    operands of any dtype, each product accumulating in float32.
+    operands of any dtype, each product accumulating in float32 and giving
+    its result in `results`.
     """
     lhs_spec, rhs_spec = (jax.ShapeDtypeStruct(np.shape(x), F32) for x in (lhs, rhs))
     out = jax.eval_shape(lambda a, b: product(a, b, None), lhs_spec, rhs_spec)
@@ -190,8 +192,10 @@ def _transposed(product: Any, lhs: Any, rhs: Any, side: str) -> Bilinear:
 
         closed = jax.make_jaxpr(transposed)(g_spec, lhs_spec)
 
+    accumulate = functools.partial(_accumulate_in_float32, results_dtype=results)
+
     def run(g, other):
-        return ji.eval_jaxpr(closed.jaxpr, closed.consts, [g, other], _accumulate_in_float32)[0]
+        return ji.eval_jaxpr(closed.jaxpr, closed.consts, [g, other], accumulate)[0]
 
     return run
 
@@ -203,9 +207,10 @@ def _scaled_bilinear(
     scales: tuple[jax.Array, jax.Array],
     place: tuple[Callable[[Any], Any], Callable[[Any], Any]],
 ) -> jax.Array:
-    """`bilinear(qa, qb)` of FP8 operands with their scales applied to the float32 result."""
+    """`bilinear(qa, qb)` of FP8 operands with their scales applied, in float32."""
     # One scale after the other: their product could underflow on its own.
-    return bilinear(qa, qb) * place[0](scales[0]) * place[1](scales[1])
+    # (Powers of two: exact on a result `bilinear` gave in a narrower dtype.)
+    return bilinear(qa, qb).astype(F32) * place[0](scales[0]) * place[1](scales[1])
 
 
 def _fp8_bilinear(
@@ -236,7 +241,7 @@ def _fp8_bilinear(
         da, db, _, _ = tangents
         c = widest([a.dtype, b.dtype])
         tangent = bilinear(cast(da, c), cast(b, c)) + bilinear(cast(a, c), cast(db, c))
-        return f(a, b, sa, sb), tangent
+        return f(a, b, sa, sb), tangent.astype(F32)
 
     return f(a, b, *scales)
 
@@ -250,6 +255,7 @@ def fp8_product(
     precision: lax.PrecisionLike = None,
     out_sharding: Any = None,
     residuals: str | None = None,
+    results_dtype: Any = F32,
 ) -> jax.Array:
     """`lax.dot_general(lhs, rhs, dims)` in FP8 (or FP4) with `scaling`, both passes.
 
@@ -263,6 +269,9 @@ def fp8_product(
     float32. The block formats (`"mxfp8"`, `"nvfp4"`): `block_scaling`.
     What is saved for the backward pass: `residuals`' choice (None: as
     `residuals.fp8_residuals` sets it), the operands under second order.
+    The per-tensor and row-wise products give their results in
+    `results_dtype` (what a sharded program sums), the scales applied after;
+    the block formats' in float32.
     """
     dims = dims_key(dims)
     form = residual_form(residuals, lhs, rhs)
@@ -276,6 +285,7 @@ def fp8_product(
         )  # fmt: skip
     f = _shared_fp8_product(
         dims, np.dtype(out_dtype), check_scaling(scaling), precision, out_sharding, form,
+        np.dtype(results_dtype),
         # A trace made under the other setting of the CPU form is not reused.
         cpu_form=cpu_form.in_use(),
     )  # fmt: skip
@@ -290,6 +300,7 @@ def _shared_fp8_product(
     precision: Any,
     out_sharding: Any,
     residuals: str,
+    results: np.dtype,
     *,
     cpu_form: bool,
 ) -> Callable:
@@ -300,6 +311,7 @@ def _shared_fp8_product(
         functools.partial(
             _fp8_product, dims=dims, out_dtype=out_dtype, rowwise=scaling == "rowwise",
             product=dot_product(dims, precision, out_sharding), residuals=residuals,
+            results=results,
         )
     )  # fmt: skip
 
@@ -313,10 +325,12 @@ def _fp8_product(
     rowwise: bool,
     product: Callable,
     residuals: str,
+    results: np.dtype,
 ) -> jax.Array:
     layout = _Layout(dims, lhs.ndim, rhs.ndim)
     lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
-    t_lhs, t_rhs = _transposed(product, lhs, rhs, "lhs"), _transposed(product, lhs, rhs, "rhs")
+    t_lhs = _transposed(product, lhs, rhs, "lhs", results)
+    t_rhs = _transposed(product, lhs, rhs, "rhs", results)
     e4m3, e5m2 = (E4M3, E4M3_MAX), (E5M2, E5M2_MAX)
     axes = layout.backward_axes
 
@@ -341,7 +355,7 @@ def _fp8_product(
         sl = scale(lhs, e4m3, layout.forward_axes["lhs"])
         sr = scale(rhs, e4m3, layout.forward_axes["rhs"])
         out = _fp8_bilinear(
-            lambda a, b: product(a, b, F32), lhs, rhs, (sl, sr), (e4m3, e4m3),
+            lambda a, b: product(a, b, results), lhs, rhs, (sl, sr), (e4m3, e4m3),
             (placer("lhs", "out"), placer("rhs", "out")),
         )  # fmt: skip
         if rowwise:  # The backward products keep other axes: scaled along those.
@@ -403,6 +417,7 @@ def fp8_dot_general(
     out_sharding: Any = None,
     scaling: str = "tensor",
     residuals: str | None = None,
+    reduce_dtype: jax.typing.DTypeLike | None = None,
 ) -> jax.Array:
     """`lax.dot_general` in FP8 (or FP4), float32 accumulation, both passes.
 
@@ -456,6 +471,9 @@ def fp8_dot_general(
     Args:
       scaling: `"tensor"`, `"rowwise"`, `"mxfp8"` or `"nvfp4"`.
       residuals: `"quantized"`, `"operands"`, or None (as `fp8_residuals` sets).
+      reduce_dtype: the dtype the per-tensor and row-wise products give their
+        results in, before the scales and the result dtype (what a sharded
+        program sums, as in `half_dot_general`). None: float32.
 
     Returns:
       The product, in the dtype `lax.dot_general` would give.
@@ -492,4 +510,7 @@ def fp8_dot_general(
     lhs, rhs, out_dtype = float_dot_operands(
         lhs, rhs, dims, precision, preferred_element_type, "fp8_dot_general"
     )
-    return fp8_product(lhs, rhs, dims, out_dtype, scaling, precision, out_sharding, residuals)
+    results = F32 if reduce_dtype is None else results_dtype_of(reduce_dtype)
+    return fp8_product(
+        lhs, rhs, dims, out_dtype, scaling, precision, out_sharding, residuals, results
+    )

@@ -371,11 +371,12 @@ def half_dot_general(
         lhs, rhs, dims, precision, preferred_element_type, "half_dot_general"
     )
     compute = _half_compute_dtype(compute_dtype, lhs, rhs)
-    results = F32 if reduce_dtype is None else _to_results_dtype(reduce_dtype)
+    results = F32 if reduce_dtype is None else results_dtype_of(reduce_dtype)
     return accumulating_dot(lhs, rhs, dims, precision, out_sharding, compute, out_dtype, results)
 
 
-def _to_results_dtype(reduce_dtype: Any) -> np.dtype:
+def results_dtype_of(reduce_dtype: Any) -> np.dtype:
+    """`reduce_dtype` checked: a half dtype or float32 (a `TypeError` naming it)."""
     try:
         dtype = np.dtype(reduce_dtype)
     except TypeError:

@@ -54,7 +54,7 @@ def matmul_dot_general(
     `fp8_scaling` (`"tensor"`, `"rowwise"`, `"mxfp8"`, `"nvfp4"`) and
     `residuals` (what an FP8 product saves, see `fp8_dot_general`) apply to
     an FP8 or FP4 matmul dtype, `reduce_dtype` (the dtype results are given
-    in, see `half_dot_general`; None: float32) to a half one. A product the layer asks for at full
+    in, see `half_dot_general`; None: float32) to all. A product the layer asks for at full
     precision (`precision=HIGHEST`) runs as `lax.dot_general`. One object per
     arguments, so that modules given it compare equal across calls, and a
     jitted function taking it as a static argument (`jnp.einsum`) traces
@@ -72,7 +72,8 @@ def _dot_general_for(
     matmul_dtype: np.dtype, fp8_scaling: str, residuals: str | None, reduce: np.dtype | None
 ) -> Callable:
     if matmul_dtype in SCALED_MATMUL_DTYPES:
-        product = functools.partial(fp8_dot_general, scaling=fp8_scaling, residuals=residuals)
+        product = functools.partial(fp8_dot_general, scaling=fp8_scaling, residuals=residuals,
+                                    reduce_dtype=reduce)  # fmt: skip
     else:
         product = functools.partial(half_dot_general, compute_dtype=matmul_dtype,
                                     reduce_dtype=reduce)  # fmt: skip
