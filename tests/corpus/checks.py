@@ -160,10 +160,24 @@ def assert_decodes_as_uncached(
     """Logits of a cached decode (a prefill, then a token a step) against the
     full sequence's: within the policy's forward error bound. FP8's current
     scaling takes a one-token step's scales from that token alone, so only
-    half policies must also agree on every greedy token (`argmax`)."""
-    assert relative_error(cached, uncached) <= error_bound(policy, own_errors)
-    if not is_fp8(policy):
-        np.testing.assert_array_equal(np.argmax(cached, -1), np.argmax(uncached, -1))
+    half policies must also agree on the greedy token (`argmax`) wherever the
+    model's own half config could tell the two candidates apart: where the
+    full sequence's logits of the two differ by more than twice its own
+    forward error (of the largest logit). A nearer tie may go either way in
+    the own config too (MaxText's linen model's own bf16 decode picks another
+    token at 1 of 32 positions)."""
+    bound = error_bound(policy, own_errors)
+    assert relative_error(cached, uncached) <= bound
+    if is_fp8(policy):
+        return
+    cached, uncached = np.asarray(cached, np.float32), np.asarray(uncached, np.float32)
+    picked, wanted = np.argmax(cached, -1), np.argmax(uncached, -1)
+    gap = np.take_along_axis(uncached, wanted[..., None], -1) - np.take_along_axis(
+        uncached, picked[..., None], -1
+    )
+    own = own_errors.get(compute_dtype(policy), own_errors[BF16])
+    resolvable = gap[..., 0] > 2 * own * np.max(np.abs(uncached))
+    assert not (resolvable & (picked != wanted)).any(), (picked, wanted, gap[..., 0])
 
 
 def assert_trains(losses: list[float], params: Any, learns: bool = True) -> None:
