@@ -202,9 +202,10 @@ def collectives(hlo: str, devices: int) -> list[Collective]:
                 continue
             # A `-done`'s groups are its start's.
             source = starts.get(i.operands[0], i) if i.opcode.endswith("-done") else i
-            by_type: collections.Counter[str] = collections.Counter()
+            by_type: dict[str, float] = {}
             for t, dims in _ARRAY.findall(i.type):
-                by_type[t] += _BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
+                size = _BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
+                by_type[t] = by_type.get(t, 0.0) + size
             group = group_size(source.attributes, devices)
             found.append(Collective(kind, tuple(sorted(by_type.items())), group))
     return found
@@ -252,17 +253,18 @@ def verdicts(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool | None]]:
     return out
 
 
+def _names_in(accepted: list[str], flag: str) -> Callable[[str], list[str]]:
+    """`--flag a,b`'s parser: the names, each one of `accepted`."""
+    return lambda text: gpu_compile._names(text, accepted, flag.rstrip("s"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     targets = gpu_compile.target_configs()
     parser = argparse.ArgumentParser(prog="gpu_collectives", description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=8)
     for flag, accepted in (("targets", list(targets)), ("layouts", list(LAYOUTS)),
                            ("variants", list(VARIANTS))):  # fmt: skip
-        parser.add_argument(
-            f"--{flag}",
-            type=lambda t, a=accepted, f=flag: gpu_compile._names(t, a, f.rstrip("s")),
-            default=accepted,
-        )
+        parser.add_argument(f"--{flag}", type=_names_in(accepted, flag), default=accepted)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--require-cuda-plugin", action="store_true")
     args = parser.parse_args(argv)

@@ -162,3 +162,38 @@ def test_compile_only_prints_the_table_with_its_verdicts(tmp_path):
     # GEMM; float32 where the program asks it of half operands.
     assert {o for _, _, o in kinds} == {"bf16", "f32"}, kinds
     assert sum(g["count"] for g in result["gemms"]) == 23  # Every product of the tiny step.
+
+
+COLLECTIVES_HLO = """\
+HloModule jit_step
+
+ENTRY %main (p0: bf16[64,32], p1: f32[16]) -> f32[] {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  %p1 = f32[16]{0} parameter(1)
+  %all-reduce-start = ((bf16[64,32]{1,0}), bf16[64,32]{1,0}) all-reduce-start(%p0), channel_id=1, replica_groups=mesh['x'=8] {'x'}, to_apply=%add
+  %all-reduce-done = bf16[64,32]{1,0} all-reduce-done(%all-reduce-start)
+  %all-gather = (f32[128]{0}, bf16[8,32]{1,0}) all-gather(%p1, %p0), channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  %reduce-scatter = f32[2]{0} reduce-scatter(%p1), channel_id=3, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+  ROOT %all-reduce = f32[] all-reduce(%p1), channel_id=4, replica_groups={}, to_apply=%add
+}
+"""
+
+
+def test_the_collectives_and_their_bytes_are_read_from_the_hlo():
+    gpu_collectives = import_benchmark("gpu_collectives")
+    found = gpu_collectives.collectives(COLLECTIVES_HLO, 8)
+    # An async pair counts once, at its `-done`, with its start's groups.
+    assert [(c.kind, c.bytes_by_type, c.group) for c in found] == [
+        ("all-reduce", (("bf16", 64 * 32 * 2),), 8),
+        ("all-gather", (("bf16", 8 * 32 * 2), ("f32", 128 * 4)), 4),
+        ("reduce-scatter", (("f32", 2 * 4),), 8),
+        ("all-reduce", (("f32", 4),), 8),  # No groups named: every device.
+    ]
+    # Ring model: all-reduce 2(n-1)/n of the buffer, all-gather (n-1)/n of the
+    # gathered one, reduce-scatter (n-1)/n of the scattered one (n results).
+    assert [c.wire_bytes for c in found] == [
+        2 * 7 / 8 * 4096, 3 / 4 * (512 + 512), 7 * 8, 2 * 7 / 8 * 4,
+    ]  # fmt: skip
+    summary = gpu_collectives.summary(found)
+    assert summary["collectives"] == 4 and summary["all_reduces"] == 2
+    assert summary["scalar_all_reduces"] == 1
