@@ -38,9 +38,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import math
-import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -301,18 +299,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log(f"{name:<16}{r['megabytes_per_device']:>10.2f}{r['collectives']:>7}"
                     f"{r['all_reduces']:>13}{r['scalar_all_reduces']:>8}  {kinds}")  # fmt: skip
             found = verdicts(rows)
-            for text, holds in found:
-                log(f"  {'n/a' if holds is None else 'holds' if holds else 'FALLS SHORT'}: {text}")
-            log()
+            gpu_compile.log_verdicts(found, log)
             figures["targets"].setdefault(target, {"device_kind": kind, "layouts": {}})
             figures["targets"][target]["layouts"][layout] = {
                 "variants": rows,
                 "verdicts": {text: holds for text, holds in found},
             }
-    out = args.out or Path(os.environ.get("OUT") or "results")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / JSON_NAME).write_text(json.dumps(figures, indent=1) + "\n")
-    log(f"wrote {out / JSON_NAME}")
+    gpu_compile.write_json(args.out, JSON_NAME, figures, log)
     return 1 if failed else 0
 
 

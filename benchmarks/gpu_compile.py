@@ -235,10 +235,23 @@ def print_table(gpu: str, backend: str, rows: dict[str, Row], log: Any) -> list[
             f"{r.compile_s:>9.1f}  {_gemm_text(r.program)}"
         )
     found = verdicts(rows)
+    log_verdicts(found, log)
+    return found
+
+
+def log_verdicts(found: list[tuple[str, bool | None]], log: Any) -> None:
+    """Each target as `holds`, `FALLS SHORT` or `n/a` (a variant missing), then a blank line."""
     for text, holds in found:
         log(f"  {'n/a' if holds is None else 'holds' if holds else 'FALLS SHORT'}: {text}")
     log()
-    return found
+
+
+def write_json(out: Path | None, name: str, figures: dict[str, Any], log: Any) -> None:
+    """Writes `figures` as `name` in `out` (else `$OUT`, else ./results)."""
+    out = out or Path(os.environ.get("OUT") or "results")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(figures, indent=1) + "\n")
+    log(f"wrote {out / name}")
 
 
 def _row_json(r: Row) -> dict[str, Any]:
@@ -329,10 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "variants": {v: _row_json(r) for v, r in rows.items()},
                 "verdicts": {text: holds for text, holds in found},
             }
-    out = args.out or Path(os.environ.get("OUT") or "results")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / JSON_NAME).write_text(json.dumps(figures, indent=1) + "\n")
-    log(f"wrote {out / JSON_NAME}")
+    write_json(args.out, JSON_NAME, figures, log)
     return 1 if failed else 0
 
 
