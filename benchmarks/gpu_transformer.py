@@ -395,7 +395,8 @@ def claims(variant: Variant, grad_leaves: int, state_leaves: int) -> dict[str, A
     if variant.name in (REFERENCE, "float32 HIGHEST"):
         out: dict[str, Any] = {"operands": {"f32"}, "result": "f32"}
     elif (variant.policy or "").startswith("mixed_float8"):
-        out = {"operands": {_gpu_lowering.E4M3, _gpu_lowering.E5M2}, "result": "f32", "fp8": True}
+        # FP8 GEMMs give the reduce dtype (bf16), the block-scaled ones float32.
+        out = {"operands": {_gpu_lowering.E4M3, _gpu_lowering.E5M2}, "result": "bf16", "fp8": True}
     elif variant.policy == "mixed_mxfp8":
         out = {"block": (_gpu_lowering.E4M3, _gpu_lowering.E8M0), "result": "f32"}
     elif variant.policy == "mixed_nvfp4":

@@ -185,9 +185,9 @@ EXPECTED_PRODUCTS = {
     "policy m=bf16": "27 bf16 x bf16 -> f32",
     # FP8 operands straight into the products: e4m3 x e4m3 forward, the e5m2
     # output gradient with a saved e4m3 operand backward (never e5m2 x e5m2).
-    "policy mixed_float8": "9 f8E4M3FN x f8E4M3FN -> f32, 18 f8E5M2 x f8E4M3FN -> f32",
+    "policy mixed_float8": "9 f8E4M3FN x f8E4M3FN -> bf16, 18 f8E5M2 x f8E4M3FN -> bf16",
     "float32 HIGHEST": "27 f32 x f32 -> f32",
-    "policy mixed_float8_rowwise": "9 f8E4M3FN x f8E4M3FN -> f32, 18 f8E5M2 x f8E4M3FN -> f32",
+    "policy mixed_float8_rowwise": "9 f8E4M3FN x f8E4M3FN -> bf16, 18 f8E5M2 x f8E4M3FN -> bf16",
     # Block-scaled (jax.nn.scaled_matmul's custom call): e4m3 with e8m0 scales
     # in all three products; e2m1 with e4m3 scales, and the Hadamard transform
     # of both operands of each weight-gradient product.
