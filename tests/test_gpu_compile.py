@@ -167,12 +167,13 @@ def test_compile_only_prints_the_table_with_its_verdicts(tmp_path):
 COLLECTIVES_HLO = """\
 HloModule jit_step
 
-ENTRY %main (p0: bf16[64,32], p1: f32[16]) -> f32[] {
+ENTRY %main (p0: bf16[64,32], p1: f32[16], p2: f8e4m3fn[2,32]) -> f32[] {
   %p0 = bf16[64,32]{1,0} parameter(0)
   %p1 = f32[16]{0} parameter(1)
+  %p2 = f8e4m3fn[2,32]{1,0} parameter(2)
   %all-reduce-start = ((bf16[64,32]{1,0}), bf16[64,32]{1,0}) all-reduce-start(%p0), channel_id=1, replica_groups=mesh['x'=8] {'x'}, to_apply=%add
   %all-reduce-done = bf16[64,32]{1,0} all-reduce-done(%all-reduce-start)
-  %all-gather = (f32[128]{0}, bf16[8,32]{1,0}) all-gather(%p1, %p0), channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  %all-gather = (f32[128]{0}, bf16[8,32]{1,0}, f8e4m3fn[8,32]{1,0}) all-gather(%p1, %p0, %p2), channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
   %reduce-scatter = f32[2]{0} reduce-scatter(%p1), channel_id=3, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
   ROOT %all-reduce = f32[] all-reduce(%p1), channel_id=4, replica_groups={}, to_apply=%add
 }
@@ -185,15 +186,22 @@ def test_the_collectives_and_their_bytes_are_read_from_the_hlo():
     # An async pair counts once, at its `-done`, with its start's groups.
     assert [(c.kind, c.bytes_by_type, c.group) for c in found] == [
         ("all-reduce", (("bf16", 64 * 32 * 2),), 8),
-        ("all-gather", (("bf16", 8 * 32 * 2), ("f32", 128 * 4)), 4),
+        ("all-gather", (("bf16", 8 * 32 * 2), ("f32", 128 * 4), ("f8e4m3fn", 8 * 32)), 4),
         ("reduce-scatter", (("f32", 2 * 4),), 8),
         ("all-reduce", (("f32", 4),), 8),  # No groups named: every device.
     ]
     # Ring model: all-reduce 2(n-1)/n of the buffer, all-gather (n-1)/n of the
     # gathered one, reduce-scatter (n-1)/n of the scattered one (n results).
     assert [c.wire_bytes for c in found] == [
-        2 * 7 / 8 * 4096, 3 / 4 * (512 + 512), 7 * 8, 2 * 7 / 8 * 4,
+        2 * 7 / 8 * 4096, 3 / 4 * (512 + 512 + 256), 7 * 8, 2 * 7 / 8 * 4,
     ]  # fmt: skip
     summary = gpu_collectives.summary(found)
     assert summary["collectives"] == 4 and summary["all_reduces"] == 2
     assert summary["scalar_all_reduces"] == 1
+    # Element bytes from the type's bit width: the FP8 and FP4 types too.
+    sizes = {t: gpu_collectives.element_bytes(t) for t in
+             ("f32", "bf16", "f8e4m3fn", "f8e5m2", "f8e8m0fnu", "f4e2m1fn", "s64", "pred")}  # fmt: skip
+    assert sizes == {"f32": 4, "bf16": 2, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1,
+                     "f4e2m1fn": 0.5, "s64": 8, "pred": 1}  # fmt: skip
+    with pytest.raises(ValueError, match="token"):
+        gpu_collectives.element_bytes("token")

@@ -123,14 +123,21 @@ def _grad_fn(front_end, policy):
 
 @pytest.mark.parametrize("front_end", ["with_policy", "autocast", "nnx"])
 @pytest.mark.parametrize("reduce, results", [("", "bf16"), (",r=f32", "f32")])
-def test_every_product_gives_its_results_in_the_reduce_dtype(front_end, reduce, results):
-    grad, params = _grad_fn(front_end, M_BF16 + reduce)
+@pytest.mark.parametrize("matmul", ["bf16", "f8", "f8_rowwise", "mxfp8", "nvfp4"])
+def test_every_product_gives_its_results_in_the_reduce_dtype(front_end, reduce, results, matmul):
+    grad, params = _grad_fn(front_end, M_BF16.replace("m=bf16", f"m={matmul}") + reduce)
     dots = [op for op in lowered_ops(grad, params, X) if op.name == "dot_general"]
     # Two layers: two forward products, three backward ones (the first
-    # layer's input needs no gradient).
-    assert len(dots) == 5, dots
-    assert all(op.operand_types == ("bf16", "bf16") for op in dots), dots
-    assert all(op.result_types == (results,) for op in dots), dots
+    # layer's input needs no gradient); NVFP4 adds its four Hadamard
+    # transforms (float32 matmuls of the weight gradients' operands).
+    hadamard = 4 if matmul == "nvfp4" else 0
+    assert len(dots) == 5 + hadamard, dots
+    in_results = sum(op.result_types == (results,) for op in dots)
+    assert in_results == 5 + (hadamard if results == "f32" else 0), dots
+    if matmul == "bf16":
+        assert all(op.operand_types == ("bf16", "bf16") for op in dots), dots
+    elif matmul.startswith("f8"):  # FP8 operands into the products themselves.
+        assert all(op.operand_types[1] == "f8E4M3FN" for op in dots), dots
 
 
 def test_a_float32_result_the_program_asks_of_half_operands_is_kept():

@@ -161,6 +161,35 @@ def inlined_jit(fn: Callable) -> Callable:
     return jax.jit(fn, inline=True if inline is None else inline.JAX_EARLY)
 
 
+def varying_alike(*xs: Any) -> tuple[Any, ...]:
+    """`xs`, each marked varying over every manual mesh axis one of them varies
+    over (inside `shard_map`), as JAX marks the operands of its own binary
+    operations. A `jax.custom_vjp`'s cotangents must have their primals'
+    types: the cotangent of a replicated weight times a sharded input varies,
+    so the weight is marked varying first, and JAX sums its cotangent over
+    the devices when it transposes the mark (as for `lax.dot_general`).
+    """
+    vmas = [_varying_axes(jax.typeof(x)) for x in xs]
+    union = frozenset().union(*vmas)
+    if not union:
+        return xs
+    # `pcast(..., to="varying")` is JAX 0.12's name for 0.10's `pvary`.
+    pcast = getattr(jax.lax, "pcast", None)
+    mark = (lambda x, axes: pcast(x, axes, to="varying")) if pcast else jax.lax.pvary  # type: ignore[attr-defined]
+    return tuple(
+        x if vma == union else mark(x, tuple(sorted(union - vma))) for x, vma in zip(xs, vmas)
+    )
+
+
+def _varying_axes(aval: Any) -> frozenset:
+    """The manual mesh axes a value varies over: JAX 0.12's
+    `manual_axis_type.varying`, 0.10's `vma`; none outside `shard_map`."""
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
 def einsum_with_dot_general(dot_general: Callable) -> Callable:
     """`jnp.einsum` whose products run through `dot_general` (a private argument)."""
     if "_dot_general" not in inspect.signature(jnp.einsum).parameters:

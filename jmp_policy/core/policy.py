@@ -273,8 +273,7 @@ class Policy:
         parallelism), as PyTorch FSDP's `reduce_dtype`. None (the default,
         FSDP's): the compute dtype, so that no policy sends more bytes than
         its compute dtype does; float32 (spec `r=f32`) keeps float32
-        results and sums. A product accumulates in float32 whichever it is;
-        the block-scaled ones (MXFP8, NVFP4) give float32 results for now.
+        results and sums. A product accumulates in float32 whichever it is.
 
     Raises:
       TypeError: if a dtype is not a floating dtype, or `matmul_dtype` is not

@@ -176,20 +176,28 @@ def quantize_blocks(
     return Blocks(data, scales, tensor_scale)
 
 
-def block_matmul(a: Blocks, b: Blocks) -> jax.Array:
-    """`a @ b.T` per batch, `(B, M, K) x (B, N, K) -> (B, M, N)`, float32."""
+def block_matmul(a: Blocks, b: Blocks, results: np.dtype = F32) -> jax.Array:
+    """`a @ b.T` per batch, `(B, M, K) x (B, N, K) -> (B, M, N)`, float32.
+
+    The block-scaled product gives its results in `results` (what a sharded
+    program sums), the tensor scales are applied after, in float32.
+    """
     out = lax.platform_dependent(
-        a.data, b.data, a.scales, b.scales, cpu=_emulated_matmul, default=_scaled_matmul
-    )
+        a.data, b.data, a.scales, b.scales,
+        cpu=functools.partial(_emulated_matmul, results=results),
+        default=functools.partial(_scaled_matmul, results=results),
+    )  # fmt: skip
     # One scale after the other: their product could underflow on its own.
-    return out * a.tensor_scale * b.tensor_scale
+    return out.astype(F32) * a.tensor_scale * b.tensor_scale
 
 
-def _scaled_matmul(a, b, a_scales, b_scales):
-    return jax.nn.scaled_matmul(a, b, a_scales, b_scales, preferred_element_type=F32)
+def _scaled_matmul(a, b, a_scales, b_scales, *, results):
+    out = jax.nn.scaled_matmul(a, b, a_scales, b_scales, preferred_element_type=results)
+    # Inside `shard_map` its result lacks its operands' varying axes (jax 0.12).
+    return ji.varying_alike(out, a, b)[0]
 
 
-def _emulated_matmul(a, b, a_scales, b_scales):
+def _emulated_matmul(a, b, a_scales, b_scales, *, results):
     """`jax.nn.scaled_matmul`'s arithmetic in float32: what JAX's own CPU form does
     (jax 0.12), and what jax 0.10 has none of."""
 
@@ -198,7 +206,7 @@ def _emulated_matmul(a, b, a_scales, b_scales):
         return blocks.reshape(x.shape)
 
     a, b = dequantized(a, a_scales), dequantized(b, b_scales)
-    return lax.dot_general(a, b, _BATCHED, lax.Precision.HIGHEST, preferred_element_type=F32)
+    return lax.dot_general(a, b, _BATCHED, lax.Precision.HIGHEST, preferred_element_type=results)
 
 
 # ------------------------------------------------------------ layouts
@@ -255,13 +263,15 @@ def _plain(a: jax.Array, b: jax.Array) -> jax.Array:
 Quantizer = Callable[[jax.Array], Blocks]
 
 
-def _straight_through(a: jax.Array, b: jax.Array, qa: Quantizer, qb: Quantizer) -> jax.Array:
-    """`block_matmul(qa(a), qb(b))`, whose tangent is the plain product of the
-    tangents (the rounding counted as the identity, as in `fp8`)."""
+def _straight_through(
+    a: jax.Array, b: jax.Array, qa: Quantizer, qb: Quantizer, results: np.dtype
+) -> jax.Array:
+    """`block_matmul(qa(a), qb(b), results)`, whose tangent is the plain product
+    of the tangents (the rounding counted as the identity, as in `fp8`)."""
 
     @jax.custom_jvp
     def f(a, b):
-        return block_matmul(qa(a), qb(b))
+        return block_matmul(qa(a), qb(b), results)
 
     @f.defjvp
     def f_jvp(primals, tangents):
@@ -282,30 +292,35 @@ def block_scaled_product(
     fmt: str,
     residuals: str,
     out_sharding: Any = None,
+    results_dtype: Any = F32,
 ) -> jax.Array:
     """`lax.dot_general(lhs, rhs, dims)` in the block format `fmt`, both passes,
-    saving `residuals` (`"quantized"` or `"operands"`) for the backward pass."""
-    # A trace made under the other setting of the CPU form is not reused.
-    f = _shared_block_product(dims, np.dtype(out_dtype), fmt, residuals, cpu_form=cpu_form.in_use())
+    saving `residuals` (`"quantized"` or `"operands"`) for the backward pass;
+    each block-scaled product gives its results in `results_dtype`."""
+    f = _shared_block_product(
+        dims, np.dtype(out_dtype), fmt, residuals, np.dtype(results_dtype),
+        # A trace made under the other setting of the CPU form is not reused.
+        cpu_form=cpu_form.in_use(),
+    )  # fmt: skip
     out = f(lhs, rhs)
     return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
 
 
 @shared_factory
 def _shared_block_product(
-    dims: Any, out_dtype: np.dtype, fmt: str, residuals: str, *, cpu_form: bool
+    dims: Any, out_dtype: np.dtype, fmt: str, residuals: str, results: np.dtype, *, cpu_form: bool
 ) -> Callable:
     """One signature's product: an inlined `jax.jit`, traced once per shape."""
     del cpu_form  # Only a key: the tangent products read the setting as they trace.
     return ji.inlined_jit(
         functools.partial(
             _block_product, dims=dims, out_dtype=out_dtype, fmt=FORMATS[fmt],
-            residuals=residuals,
+            residuals=residuals, results=results,
         )
     )  # fmt: skip
 
 
-def _block_product(lhs, rhs, *, dims, out_dtype, fmt, residuals):
+def _block_product(lhs, rhs, *, dims, out_dtype, fmt, residuals, results):
     layout = _Layout(dims, lhs.shape, rhs.shape)
     lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
     if 0 in (layout.b, layout.m, layout.n, layout.k):
@@ -325,7 +340,8 @@ def _block_product(lhs, rhs, *, dims, out_dtype, fmt, residuals):
 
     def fwd(lhs, rhs):
         a, b = layout.lhs(lhs), layout.rhs(rhs)
-        out = cast(_straight_through(a, b, quantize, quantize).reshape(layout.out_shape), out_dtype)
+        out = _straight_through(a, b, quantize, quantize, results)
+        out = cast(out.reshape(layout.out_shape), out_dtype)
         if residuals == "operands":
             return out, (a, b)
         # The operands as the backward products take them: b along N, a along M.
@@ -336,11 +352,12 @@ def _block_product(lhs, rhs, *, dims, out_dtype, fmt, residuals):
         g = layout.out(g)
         if residuals == "operands":
             a, b = res
-            d_a = _straight_through(g, _t(b), grad, quantize)
-            d_b = _straight_through(_t(g), _t(a), grad_rows, rows)
+            d_a = _straight_through(g, _t(b), grad, quantize, results)
+            d_b = _straight_through(_t(g), _t(a), grad_rows, rows, results)
         else:
             b_t, a_t = res
-            d_a, d_b = block_matmul(grad(g), b_t), block_matmul(grad_rows(_t(g)), a_t)
+            d_a = block_matmul(grad(g), b_t, results)
+            d_b = block_matmul(grad_rows(_t(g)), a_t, results)
         return (
             cast(layout.back(d_a, "lhs"), lhs_dtype),
             cast(layout.back(d_b, "rhs"), rhs_dtype),

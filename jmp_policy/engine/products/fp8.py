@@ -269,9 +269,8 @@ def fp8_product(
     float32. The block formats (`"mxfp8"`, `"nvfp4"`): `block_scaling`.
     What is saved for the backward pass: `residuals`' choice (None: as
     `residuals.fp8_residuals` sets it), the operands under second order.
-    The per-tensor and row-wise products give their results in
-    `results_dtype` (what a sharded program sums), the scales applied after;
-    the block formats' in float32.
+    Every FP8 (or FP4) product gives its results in `results_dtype` (what a
+    sharded program sums), the scales applied after, in float32.
     """
     dims = dims_key(dims)
     form = residual_form(residuals, lhs, rhs)
@@ -279,7 +278,7 @@ def fp8_product(
         return call_reverse_mode_only(
             functools.partial(
                 block_scaled_product, dims=dims, out_dtype=out_dtype, fmt=scaling,
-                residuals=form, out_sharding=out_sharding,
+                residuals=form, out_sharding=out_sharding, results_dtype=results_dtype,
             ),
             lhs, rhs, _JVP_UNSUPPORTED,
         )  # fmt: skip
@@ -354,19 +353,23 @@ def _fp8_product(
     def fwd(lhs, rhs):
         sl = scale(lhs, e4m3, layout.forward_axes["lhs"])
         sr = scale(rhs, e4m3, layout.forward_axes["rhs"])
-        out = _fp8_bilinear(
-            lambda a, b: product(a, b, results), lhs, rhs, (sl, sr), (e4m3, e4m3),
-            (placer("lhs", "out"), placer("rhs", "out")),
-        )  # fmt: skip
+        forward = (placer("lhs", "out"), placer("rhs", "out"))
+        results_of = lambda a, b: product(a, b, results)  # noqa: E731
+        if residuals == "operands":
+            out = _fp8_bilinear(results_of, lhs, rhs, (sl, sr), (e4m3, e4m3), forward)
+            if rowwise:  # The backward products keep other axes: scaled along those.
+                sl, sr = scale(lhs, e4m3, axes["lhs"]), scale(rhs, e4m3, axes["rhs"])
+            return cast(out, out_dtype), (lhs, rhs, sl, sr)
+        # Saved quantized, the operands have no tangents (differentiating them
+        # raises), so the forward product takes the very e4m3 copies it saves:
+        # per tensor, a sharded program gathers one FP8 copy for both passes.
+        lhs, rhs = to_be_saved_quantized((lhs, rhs))
+        ql, qr = fp8_quantize(lhs, sl, *e4m3), fp8_quantize(rhs, sr, *e4m3)
+        out = _scaled_bilinear(results_of, ql, qr, (sl, sr), forward)
         if rowwise:  # The backward products keep other axes: scaled along those.
             sl, sr = scale(lhs, e4m3, axes["lhs"]), scale(rhs, e4m3, axes["rhs"])
-        if residuals == "operands":
-            return cast(out, out_dtype), (lhs, rhs, sl, sr)
-        # The e4m3 operands as the backward products take them (per tensor,
-        # the forward's own).
-        lhs, rhs = to_be_saved_quantized((lhs, rhs))
-        quantized = (fp8_quantize(lhs, sl, *e4m3), fp8_quantize(rhs, sr, *e4m3))
-        return cast(out, out_dtype), (*quantized, sl, sr)
+            ql, qr = fp8_quantize(lhs, sl, *e4m3), fp8_quantize(rhs, sr, *e4m3)
+        return cast(out, out_dtype), (ql, qr, sl, sr)
 
     def bwd(res, g):
         sg_lhs, sg_rhs = gradient_scales(g)
@@ -382,14 +385,14 @@ def _fp8_product(
             )  # fmt: skip
         else:
             ql, qr, sl, sr = res
+            qg_lhs = fp8_quantize(g, sg_lhs, *e5m2)
+            qg_rhs = qg_lhs if sg_rhs is sg_lhs else fp8_quantize(g, sg_rhs, *e5m2)
             lhs_bar = _scaled_bilinear(
-                t_lhs, fp8_quantize(g, sg_lhs, *e5m2), qr, (sg_lhs, sr),
-                (placer("out", "lhs"), placer("rhs", "lhs")),
-            )  # fmt: skip
+                t_lhs, qg_lhs, qr, (sg_lhs, sr), (placer("out", "lhs"), placer("rhs", "lhs"))
+            )
             rhs_bar = _scaled_bilinear(
-                t_rhs, fp8_quantize(g, sg_rhs, *e5m2), ql, (sg_rhs, sl),
-                (placer("out", "rhs"), placer("lhs", "rhs")),
-            )  # fmt: skip
+                t_rhs, qg_rhs, ql, (sg_rhs, sl), (placer("out", "rhs"), placer("lhs", "rhs"))
+            )
         return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
 
     # Traced once per shape signature: every product of it shares this backward.
@@ -471,9 +474,9 @@ def fp8_dot_general(
     Args:
       scaling: `"tensor"`, `"rowwise"`, `"mxfp8"` or `"nvfp4"`.
       residuals: `"quantized"`, `"operands"`, or None (as `fp8_residuals` sets).
-      reduce_dtype: the dtype the per-tensor and row-wise products give their
-        results in, before the scales and the result dtype (what a sharded
-        program sums, as in `half_dot_general`). None: float32.
+      reduce_dtype: the dtype the low-precision products give their results
+        in, before the scales and the result dtype (what a sharded program
+        sums, as in `half_dot_general`). None: float32.
 
     Returns:
       The product, in the dtype `lax.dot_general` would give.

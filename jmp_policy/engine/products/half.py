@@ -231,6 +231,7 @@ def made_here(bwd: Callable | None) -> bool:
 
 def call_reverse_mode_only(f: Callable, lhs: Any, rhs: Any, message: str) -> Any:
     """`f(lhs, rhs)` for a `jax.custom_vjp` `f`; under forward mode, a `TypeError(message)`."""
+    lhs, rhs = ji.varying_alike(lhs, rhs)
     try:
         return f(lhs, rhs)
     except TypeError as e:
