@@ -395,12 +395,12 @@ def claims(variant: Variant, grad_leaves: int, state_leaves: int) -> dict[str, A
     if variant.name in (REFERENCE, "float32 HIGHEST"):
         out: dict[str, Any] = {"operands": {"f32"}, "result": "f32"}
     elif (variant.policy or "").startswith("mixed_float8"):
-        # FP8 GEMMs give the reduce dtype (bf16), the block-scaled ones float32.
+        # FP8 GEMMs give the reduce dtype (bf16), as the block-scaled ones do.
         out = {"operands": {_gpu_lowering.E4M3, _gpu_lowering.E5M2}, "result": "bf16", "fp8": True}
     elif variant.policy == "mixed_mxfp8":
-        out = {"block": (_gpu_lowering.E4M3, _gpu_lowering.E8M0), "result": "f32"}
+        out = {"block": (_gpu_lowering.E4M3, _gpu_lowering.E8M0), "result": "bf16"}
     elif variant.policy == "mixed_nvfp4":
-        out = {"block": (_gpu_lowering.E2M1, _gpu_lowering.E4M3), "result": "f32"}
+        out = {"block": (_gpu_lowering.E2M1, _gpu_lowering.E4M3), "result": "bf16"}
     elif variant.half_dot_general or "m=bf16" in (variant.policy or ""):
         out = {"operands": {"bf16"}, "result": "f32"}  # float32 accumulation
     else:

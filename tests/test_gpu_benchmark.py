@@ -191,8 +191,8 @@ EXPECTED_PRODUCTS = {
     # Block-scaled (jax.nn.scaled_matmul's custom call): e4m3 with e8m0 scales
     # in all three products; e2m1 with e4m3 scales, and the Hadamard transform
     # of both operands of each weight-gradient product.
-    "policy mixed_mxfp8": "27 f8E4M3FN x f8E4M3FN (f8E8M0FNU scales) -> f32",
-    "policy mixed_nvfp4": "27 f4E2M1FN x f4E2M1FN (f8E4M3FN scales) -> f32; 18 Hadamard",
+    "policy mixed_mxfp8": "27 f8E4M3FN x f8E4M3FN (f8E8M0FNU scales) -> bf16",
+    "policy mixed_nvfp4": "27 f4E2M1FN x f4E2M1FN (f8E4M3FN scales) -> bf16; 18 Hadamard",
 }
 
 
