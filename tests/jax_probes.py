@@ -129,6 +129,22 @@ def _check_shard_map() -> None:
     jax.shard_map(lambda *a: tuple(map(jnp.sin, a)), **ji.shard_map_options(eqn))(_X)
 
 
+@_probe("shard_map: the axes a value varies over")
+def _check_varying_axes() -> None:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    P = jax.sharding.PartitionSpec
+
+    def body(x, w):
+        axes = (ji.varying_axes(jax.typeof(x)), ji.varying_axes(jax.typeof(w)))
+        _expect(axes == ({"d"}, set()), "a sharded value varying over its axis, a replicated not")
+        marked = ji.varying_alike(x, w)[1]
+        _expect(ji.varying_axes(jax.typeof(marked)) == {"d"}, "a value marked varying")
+        return x
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))
+    jax.make_jaxpr(f)(_X, _X)
+
+
 @_probe("inlined jit")
 def _check_inlined_jit() -> None:
     eqns = _eqns(lambda a: ji.inlined_jit(jnp.sin)(a), _X)

@@ -38,6 +38,7 @@ def test_every_internal_has_a_probe():
         "jax.checkpoint",
         "custom_jvp",
         "shard_map",
+        "shard_map: the axes a value varies over",
         "inlined jit",
         "jnp.einsum's _dot_general",
         "the forward-mode error of a custom_vjp",

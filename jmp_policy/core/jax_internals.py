@@ -169,7 +169,7 @@ def varying_alike(*xs: Any) -> tuple[Any, ...]:
     so the weight is marked varying first, and JAX sums its cotangent over
     the devices when it transposes the mark (as for `lax.dot_general`).
     """
-    vmas = [_varying_axes(jax.typeof(x)) for x in xs]
+    vmas = [varying_axes(jax.typeof(x)) for x in xs]
     union = frozenset().union(*vmas)
     if not union:
         return xs
@@ -181,7 +181,7 @@ def varying_alike(*xs: Any) -> tuple[Any, ...]:
     )
 
 
-def _varying_axes(aval: Any) -> frozenset:
+def varying_axes(aval: Any) -> frozenset:
     """The manual mesh axes a value varies over: JAX 0.12's
     `manual_axis_type.varying`, 0.10's `vma`; none outside `shard_map`."""
     manual = getattr(aval, "manual_axis_type", None)
