@@ -354,7 +354,10 @@ def _fp8_product(
         sl = scale(lhs, e4m3, layout.forward_axes["lhs"])
         sr = scale(rhs, e4m3, layout.forward_axes["rhs"])
         forward = (placer("lhs", "out"), placer("rhs", "out"))
-        results_of = lambda a, b: product(a, b, results)  # noqa: E731
+
+        def results_of(a, b):
+            return product(a, b, results)
+
         if residuals == "operands":
             out = _fp8_bilinear(results_of, lhs, rhs, (sl, sr), (e4m3, e4m3), forward)
             if rowwise:  # The backward products keep other axes: scaled along those.
@@ -385,8 +388,9 @@ def _fp8_product(
             )  # fmt: skip
         else:
             ql, qr, sl, sr = res
+            # Per tensor, both backward products take one e5m2 copy of `g`.
             qg_lhs = fp8_quantize(g, sg_lhs, *e5m2)
-            qg_rhs = qg_lhs if sg_rhs is sg_lhs else fp8_quantize(g, sg_rhs, *e5m2)
+            qg_rhs = fp8_quantize(g, sg_rhs, *e5m2) if rowwise else qg_lhs
             lhs_bar = _scaled_bilinear(
                 t_lhs, qg_lhs, qr, (sg_lhs, sr), (placer("out", "lhs"), placer("rhs", "lhs"))
             )
