@@ -39,9 +39,10 @@ and results in the original dtypes.
 Modules: `decision` (the rules: primitive sets, compute and matmul dtypes),
 `interpreter` (the rewrite), `data_flow` (what a program returns from its
 arguments: state keeps its dtype), `residuals` (what products save for the
-backward pass), `products/` (how a product is made: `half` with float32
-accumulation in both passes, `cpu_form` for XLA:CPU, `fp8` per tensor and per
-row, `block_scaling` for MXFP8 and NVFP4, `matmul_dtype`'s public
+backward pass), `stack_room` (a whole model's trace starts at a fresh
+CPython frame-stack chunk), `products/` (how a product is made: `half` with
+float32 accumulation in both passes, `cpu_form` for XLA:CPU, `fp8` per tensor
+and per row, `block_scaling` for MXFP8 and NVFP4, `matmul_dtype`'s public
 `dot_general`s).
 
 References: PyTorch's `torch.autocast` (its float32 and "promote to widest

@@ -41,6 +41,7 @@ from jmp_policy.engine.products.half import (
 )
 from jmp_policy.engine.products.matmul_dtype import asks_full_precision
 from jmp_policy.engine.residuals import residual_form, traced_for
+from jmp_policy.engine.stack_room import call_with_room
 
 
 def _as_original(eqn, invals):
@@ -471,7 +472,10 @@ def trace_and_eval(fn: Callable, args: Any, rules: Rules | None, *, flow: bool =
     values = [leaves[i] for i in dynamic]
     token = _SHARED.set({}) if _SHARED.get() is None else None
     try:
-        results, closed = _traced_and_run(traced_fn, values, rules)
+        if token is None:
+            results, closed = _traced_and_run(traced_fn, values, rules)
+        else:  # A whole model's trace: room for its frames (`stack_room`).
+            results, closed = call_with_room(_traced_and_run, traced_fn, values, rules)
     finally:
         if token is not None:
             _SHARED.reset(token)
