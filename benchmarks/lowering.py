@@ -27,7 +27,10 @@ trace, and jmp_policy's shared product traces forgotten: a first lowering),
 in an order that rotates from round to round; the figure is the median over
 the rounds of each round's ratio to the reference. Targets
 with_policy <= 1.2 (every product decided by the op-level rewrite),
-m=bf16 <= 1.25, autocast <= 1.4.
+m=bf16 <= 1.25, autocast <= 1.4. Beside each figure, the median of the
+minor page faults a lowering made (where the platform counts them): a
+trace whose hot calls sit at the end of one of CPython's frame-stack
+chunks maps a new chunk on every call (see `jmp_policy/engine/stack_room.py`).
 
 Usage::
 
@@ -80,16 +83,27 @@ def variants(vocab_size: int, depth: int, width: int) -> dict[str, Callable]:
     }
 
 
-def lowering_seconds(step: Callable, *args: Any) -> float:
-    """Seconds to trace and lower a fresh `jax.jit(step)` on `args`, as a first lowering."""
+def lowering_cost(step: Callable, *args: Any) -> tuple[float, int]:
+    """Seconds and minor page faults to trace and lower a fresh `jax.jit(step)`
+    on `args`, as a first lowering."""
     fresh = lambda *a: step(*a)  # noqa: E731  (a new function: no cached trace)
     # Products are traced once per signature and shared, also between train
     # steps: forgotten here, so that each figure is a first lowering.
     clear_shared_traces()
     gc.collect()  # The last lowering's garbage is not charged to this one.
+    faults = minor_page_faults()
     start = time.perf_counter()
     jax.jit(fresh).lower(*args)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, minor_page_faults() - faults
+
+
+def minor_page_faults() -> int:
+    """This process's minor page faults so far; 0 where the platform does not count them."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 POLICIES = ("mixed_bfloat16", M_BF16)
@@ -259,21 +273,25 @@ def maxtext_context() -> Iterator[None]:
 
 def measure(
     rounds: int, steps: dict[str, Callable], args: tuple
-) -> tuple[list[float], dict[str, list[float]]]:
-    """The reference's seconds and, per variant, its ratio to them in each round
-    (interleaved, in a rotating order)."""
+) -> tuple[list[float], dict[str, list[float]], dict[str, list[int]]]:
+    """The reference's seconds, per variant its ratio to them in each round
+    (interleaved, in a rotating order), and per variant (the reference
+    too) its page faults in each round."""
     names = list(steps)
     for name in names:  # Warm-up: imports and JAX's own first-use caches.
-        lowering_seconds(steps[name], *args)
+        lowering_cost(steps[name], *args)
     ratios: dict[str, list[float]] = {name: [] for name in names if name != REFERENCE}
+    faults: dict[str, list[int]] = {name: [] for name in names}
     reference_s = []
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
-        seconds = {name: lowering_seconds(steps[name], *args) for name in order}
+        costs = {name: lowering_cost(steps[name], *args) for name in order}
         for name in ratios:
-            ratios[name].append(seconds[name] / seconds[REFERENCE])
-        reference_s.append(seconds[REFERENCE])
-    return reference_s, ratios
+            ratios[name].append(costs[name][0] / costs[REFERENCE][0])
+        for name in faults:
+            faults[name].append(costs[name][1])
+        reference_s.append(costs[REFERENCE][0])
+    return reference_s, ratios, faults
 
 
 MODELS = {
@@ -307,16 +325,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"\n{model}: not installed, not measured")
                 continue
             with maxtext_context():
-                seconds, ratios = measure(rounds, *made)
+                seconds, ratios, faults = measure(rounds, *made)
             MAXTEXT_CONTEXT.clear()
         reference_s = statistics.median(seconds)
+        page_faults = {name: round(statistics.median(values)) for name, values in faults.items()}
         print(
             f"\n{model} train step lowering, {args.depth} layers x width {args.width}, median "
-            f"of {rounds} interleaved rounds; {REFERENCE}: {reference_s:.2f} s = 1.00"
+            f"of {rounds} interleaved rounds; {REFERENCE}: {reference_s:.2f} s = 1.00, "
+            f"{page_faults[REFERENCE]} page faults"
         )
-        print(f"{'variant':<22}{'ratio':>8}{'target':>8}")
+        print(f"{'variant':<22}{'ratio':>8}{'target':>8}{'page faults':>13}")
         for name, values in ratios.items():
-            print(f"{name:<22}{statistics.median(values):>8.2f}{TARGETS[name]:>8.2f}")
+            median = statistics.median(values)
+            print(f"{name:<22}{median:>8.2f}{TARGETS[name]:>8.2f}{page_faults[name]:>13}")
     return 0
 
 
