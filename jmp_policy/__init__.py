@@ -8,6 +8,7 @@ promise. The core needs only jax, numpy and optax: `with_policy` (Flax linen)
 and `plot_histogram` (matplotlib) load their dependencies on first use.
 """
 
+import contextlib
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +83,17 @@ def _linen_state_reader(fn, kwargs, result):
     return state_in_result(fn, kwargs)
 
 
+def _linen_trace_context():
+    # An `apply` inside the function returns its mutable collections: state.
+    if "flax.linen" not in sys.modules:
+        return contextlib.nullcontext()
+    import flax.linen as nn
+
+    from jmp_policy.integrations.linen.call import recording_interceptor
+
+    return nn.intercept_methods(recording_interceptor())
+
+
 def _equinox_state_reader(fn, kwargs, result):
     if "equinox" not in sys.modules:
         return None
@@ -90,7 +102,11 @@ def _equinox_state_reader(fn, kwargs, result):
     return state_in_result(result)
 
 
-from jmp_policy.integrations.autocast import register_state_handler, register_state_reader  # noqa: E402
+from jmp_policy.integrations.autocast import (  # noqa: E402
+    register_state_handler,
+    register_state_reader,
+    register_trace_context,
+)
 from jmp_policy.integrations.flax_serialization import register_when_flax_loads  # noqa: E402
 
 # Linen's first: the NNX handler runs every call that holds no NNX module.
@@ -98,6 +114,7 @@ register_state_handler(_linen_state_handler)
 register_state_handler(_nnx_state_handler)
 register_state_reader(_linen_state_reader)
 register_state_reader(_equinox_state_reader)
+register_trace_context(_linen_trace_context)
 # Loss scales in `flax.serialization` checkpoints, without importing Flax.
 register_when_flax_loads()
 

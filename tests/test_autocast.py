@@ -27,6 +27,7 @@ from jax import lax
 from jax.interpreters import mlir
 
 import jmp_policy as jmp
+import jmp_policy.nnx
 from jmp_policy import (
     FLOAT32_PRIMITIVES,
     HALF_PRIMITIVES,
@@ -239,7 +240,8 @@ class TestDtypes:
 
     def test_primitive_lists(self):
         prims = jex.core.primitives
-        known = {getattr(prims, n).name for n in dir(prims) if n.endswith("_p")} | {"split", "tile"}
+        known = {getattr(prims, n).name for n in dir(prims) if n.endswith("_p")}
+        known |= {"split", "tile", "stack", "unstack"}  # Primitives in JAX 0.12, not 0.10.
         for ops in (HALF_PRIMITIVES, FLOAT32_PRIMITIVES, PROMOTE_PRIMITIVES):
             assert ops <= known, ops - known
         assert not (FLOAT32_PRIMITIVES & PROMOTE_PRIMITIVES)
@@ -581,6 +583,35 @@ def test_autocast_of_nnx_module_updates_its_state_as_the_module_does(form):
         np.asarray(auto_model.dropout.rngs.count[...]),
         np.asarray(plain_model.dropout.rngs.count[...]),
     )
+
+
+class _HalvesItsWeight(nnx.Module):
+    """Writes its own parameter in its call (a projection step), and counts calls."""
+
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones((3, 2)))
+        self.calls = nnx.Variable(jnp.array(0))
+
+    def __call__(self, x):
+        self.w[...] = self.w[...] * 0.5
+        self.calls[...] += 1
+        return x @ self.w[...]
+
+
+@pytest.mark.parametrize("form", ["autocast", "PolicyModule", "nnx.jit"])
+def test_a_parameter_an_nnx_module_writes_is_written_back(form):
+    # As plain NNX does; parameters the call only reads are left alone.
+    model, x = _HalvesItsWeight(), normal(32, 4, 3)
+    if form == "autocast":
+        out = autocast(model, MIXED)(x)
+    elif form == "PolicyModule":
+        wrapped = jmp.nnx.PolicyModule(model, MIXED)
+        out, model = wrapped(x), wrapped.module  # The wrapper holds the module it runs.
+    else:
+        out = nnx.jit(lambda m, x: autocast(m, MIXED)(x))(model, x)
+    assert out.dtype == F32 and model.w[...].dtype == F32
+    np.testing.assert_array_equal(np.asarray(model.w[...]), np.full((3, 2), 0.5, np.float32))
+    assert int(model.calls[...]) == 1
 
 
 def test_autocast_of_a_closure_over_an_nnx_module_says_to_pass_it():

@@ -82,6 +82,19 @@ BUFFER_OPS = {
     "fori_carry": lambda b, k: lax.fori_loop(0, 2, lambda i, c: jnp.tanh(c), b),
     "jit": lambda b, k: jax.jit(lambda b: b.at[0].set(2))(b),
     "checkpoint": lambda b, k: jax.checkpoint(lambda b: jnp.concatenate([b, b]))(b),
+    # JAX 0.12 has a primitive for each of these (0.10 builds them from the above).
+    "stack": lambda b, k: jnp.stack([b, b]),
+    "tile": lambda b, k: jnp.tile(b, (2, 1)),
+    "unstack": lambda b, k: jnp.unstack(b)[1],
+    "stop_gradient": lambda b, k: lax.stop_gradient(b),
+    # Copied into a fresh, larger buffer, at a slice or at an index.
+    "copied_into_new": lambda b, k: jnp.zeros((4, 4), b.dtype).at[:3].set(b).at[3].set(b[0]),
+    "written_into_new": lambda b, k: lax.dynamic_update_slice(
+        jnp.zeros((5, 4), b.dtype), b, (1, 0)
+    ),
+    "shifted": lambda b, k: jnp.zeros_like(b).at[1:].set(b[:-1]),
+    "sort": lambda b, k: jnp.sort(b, axis=0),
+    "top_k": lambda b, k: lax.top_k(b, 2)[0],
 }
 
 
@@ -103,7 +116,8 @@ def test_buffer_sources_reads_nested_programs():
 
     v = jnp.zeros(3)
     closed = jax.make_jaxpr(f)(v, v, jnp.ones(1))
-    assert buffer_sources(closed.jaxpr) == [(0,), (1,), (), (2,)]  # Not what is written.
+    # A write's result is the buffer and what is written into it, each in part.
+    assert buffer_sources(closed.jaxpr) == [(0, 2), (1,), (), (2,)]
 
 
 def test_a_loop_body_keeps_its_carrys_dtypes():
@@ -126,6 +140,19 @@ def test_a_loop_body_keeps_its_carrys_dtypes():
 
     with pytest.raises(TypeError, match="carry input and carry output must have equal types"):
         lax.scan(inside, jnp.zeros(4, F32), jnp.ones((3, 4), F32))
+
+    # Called inside a body with the body's own arguments, returning a pair: its
+    # first result is a result, not the loop's carry.
+    pair = autocast(lambda h, x: ((h + x) @ jnp.ones((4, 4)), jnp.sum(h)), HALF_OUT)
+    seen = []
+
+    def calls_pair(h, x):
+        y, s = pair(h, x)
+        seen.append((y.dtype, s.dtype))
+        return h, y
+
+    lax.scan(calls_pair, jnp.zeros(4, F32), jnp.ones((3, 4), F32))
+    assert seen == [(BF16, BF16)]  # The output dtype, not the carry's.
 
 
 def test_an_equinox_gru_scan_body_keeps_its_float32_carry():
@@ -185,6 +212,52 @@ def test_linen_mutable_collections_and_init_are_state():
     assert dtypes(y) == [BF16] and dtypes(updates) == [F32, F32]
     made = jax.eval_shape(autocast(Net().init, HALF_OUT), jax.random.key(0), x)
     assert dtypes(made) == [F32] * 6  # Linen's init returns variables: as made.
+
+
+class _Accumulates(nn.Module):
+    """BatchNorm statistics (float32) and a bfloat16 sum, both made by arithmetic."""
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.BatchNorm(use_running_average=False)(nn.Dense(4)(x))
+        total = self.variable("cache", "total", jnp.zeros, (4,), BF16)
+        total.value = total.value + jnp.sum(y, 0).astype(BF16)
+        return nn.Dense(2)(y)
+
+
+def _around_apply(model, how):
+    """The usual shapes of a function that calls `apply` and returns its collections."""
+    mutable = ["batch_stats", "cache"]
+    if how == "returned":
+        return lambda v, x: model.apply(v, x, mutable=mutable)
+
+    def step(v, x):  # A train step: the collections come back through `has_aux`.
+        def loss(p):
+            y, updates = model.apply({**v, "params": p}, x, mutable=mutable)
+            return jnp.sum(y.astype(F32)), (y, updates)
+
+        (_, (y, updates)), _ = jax.value_and_grad(loss, has_aux=True)(v["params"])
+        return y, updates
+
+    return step
+
+
+@pytest.mark.parametrize("how", ["returned", "from_a_train_step"])
+@pytest.mark.parametrize("front_end", ["with_policy", "autocast"])
+def test_collections_an_apply_inside_returns_are_state(front_end, how):
+    # Made by arithmetic, yet `apply` returns them as collections: each keeps
+    # its dtype, as in the model's own half config (float32 statistics).
+    model = _Accumulates()
+    x = jnp.ones((3, 2), F32)
+    variables = model.init(jax.random.key(0), x)
+    transform = jmp.with_policy if front_end == "with_policy" else autocast
+    fn = _around_apply(model, how)
+    y, updates = jax.jit(transform(fn, HALF_OUT))(variables, x)
+    assert dtypes(y) == [BF16]
+    assert dtypes(updates) == [F32, F32, BF16]  # mean, var, total
+    # A value computed from them is a result.
+    doubled = transform(lambda v, x: jax.tree.map(lambda a: a * 2, fn(v, x)[1]), HALF_OUT)
+    assert dtypes(jax.jit(doubled)(variables, x)) == [BF16] * 3
 
 
 # One rule for every front end: linen's `with_policy`, `jmp_policy.nnx` and

@@ -357,6 +357,26 @@ def branches(eqn: JaxprEqn) -> list[Jaxpr] | None:
 _LOOP_BODIES = {"scan": ("scan", 0), "while_body": ("while_loop", 0), "fori_loop": ("fori_loop", 1)}
 
 
+def primals(x: Any) -> list[Any]:
+    """`x`, and the values of the traces below it it carries: a JVP or
+    linearize tracer's primal (what `jax.value_and_grad(..., has_aux=True)`
+    hands back as the auxiliary result), and that one's, and so on."""
+    chain = [x]
+    while hasattr(chain[-1], "primal"):  # JVPTracer, LinearizeTracer
+        chain.append(chain[-1].primal)
+    return chain
+
+
+# The libraries whose code calls a function it was given as a loop's body.
+_LOOP_CALLERS = frozenset({"jax", "flax", "equinox"})
+
+
+def called_by_a_library(caller: Any) -> bool:
+    """Whether the frame `caller` runs JAX's (or Flax's, Equinox's) own code,
+    as where a loop calls the body it traces; a user's body is user code."""
+    return caller.f_globals.get("__name__", "").partition(".")[0] in _LOOP_CALLERS
+
+
 def loop_body_carry(args: Sequence[Any]) -> tuple[str, Any] | None:
     """`(loop kind, carry)` if JAX is tracing a function of `args` as a loop's body.
 

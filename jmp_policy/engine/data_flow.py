@@ -8,9 +8,13 @@ program, never the result's structure, shapes or names:
 
 * A returned array built from an argument by buffer operations keeps that
   argument's dtype: written into (`dynamic_update_slice`, scatters,
-  `.at[]`), grown (`concatenate`, `pad`), selected, sliced, reshaped, cast
-  or passed through, the carry of a loop the argument started, through
-  nested calls, branches and checkpoints (`buffer_sources`).
+  `.at[]`), grown (`concatenate`, `stack`, `pad`, or copied into a larger
+  buffer), selected, sorted, sliced, reshaped, cast or passed through, the
+  carry of a loop the argument started, through nested calls, branches and
+  checkpoints (`buffer_sources`).
+* A framework's state, as its API says while the program is traced (the
+  collections linen's `apply` returns, also to a function around it),
+  keeps the dtype it came in (`declare_state`).
 * A function traced as the body of `lax.scan`, `lax.while_loop` or
   `lax.fori_loop` (JAX says so while tracing it) returns its carry in the
   carry's dtypes, as the loop requires.
@@ -26,10 +30,13 @@ dtype where it flows from one) and `False` for a result.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.dtypes import cast, is_float
@@ -43,20 +50,26 @@ ReturnsState = Any
 MOVES_DATA = frozenset(
     {
         "copy", "reshape", "squeeze", "broadcast_in_dim", "transpose", "rev", "slice",
-        "dynamic_slice", "gather", "sharding_constraint", "split",
+        "dynamic_slice", "gather", "sharding_constraint", "split", "unstack", "tile",
+        "stop_gradient",
     }
 )  # fmt: skip
 # Operations whose result is their first operand's data, moved or rewritten
-# in part: a buffer written, grown, selected or cast is still that buffer.
+# in part: a buffer grown, selected or cast is still that buffer (`top_k`'s
+# values are its elements; its indices are integers).
 _MOVES_FIRST = MOVES_DATA | {
-    "dynamic_update_slice", "scatter", "scatter-add", "scatter-mul", "scatter-min",
-    "scatter-max", "pad", "convert_element_type", "reduce_precision",
+    "scatter-add", "scatter-mul", "scatter-min", "scatter-max", "pad",
+    "convert_element_type", "reduce_precision", "top_k",
 }  # fmt: skip
+# Writes: the result is the buffer written into and what is written, each
+# in part: a cache written at an index, or copied into a larger fresh buffer.
+_WRITES = {"dynamic_update_slice": 1, "scatter": 2}  # The position of what is written.
 # Operations whose result is made of several operands' data.
-_MOVES_ALL = frozenset({"concatenate"})
+_MOVES_ALL = frozenset({"concatenate", "stack"})
 _SELECTS = frozenset({"select_n"})  # Operand 0 is the predicate.
-# Operations passing each operand through as the result at its position.
-_PASSES_EACH = frozenset({"device_put", "optimization_barrier"})
+# Operations passing each operand through as the result at its position
+# (`sort` reorders each operand alike).
+_PASSES_EACH = frozenset({"device_put", "optimization_barrier", "sort"})
 
 Sources = tuple[int, ...]  # Input positions, in order.
 
@@ -85,6 +98,8 @@ def buffer_sources(jaxpr: ji.Jaxpr, given: Sequence[Sources] | None = None) -> l
         n = len(eqn.outvars)
         if name in _MOVES_FIRST:
             outs = [ins[0]] * n
+        elif name in _WRITES:
+            outs = [_union(ins[0], ins[_WRITES[name]])] * n
         elif name in _MOVES_ALL:
             outs = [_union(*ins)] * n
         elif name in _SELECTS:
@@ -121,6 +136,59 @@ def _nested_sources(eqn: ji.JaxprEqn, ins: list[Sources]) -> list[Sources] | Non
     return None
 
 
+class _Declared:
+    """The state declared while one program is traced: each value's id -> (the
+    value, the dtype it keeps), and the dtypes its inputs came in (a program
+    may be traced on widened stand-ins; see `interpreter._traced_and_run`)."""
+
+    def __init__(self, inputs: Sequence[Any], dtypes: Sequence[np.dtype]) -> None:
+        self.inputs = {id(x): (x, d) for x, d in zip(inputs, dtypes)}
+        self.kept: dict[int, tuple[Any, np.dtype]] = {}
+
+    def dtype_given(self, x: Any) -> np.dtype:
+        return self.inputs[id(x)][1] if id(x) in self.inputs else x.dtype
+
+    def kept_dtype(self, x: Any) -> np.dtype | None:
+        value, dtype = self.kept.get(id(x), (None, None))
+        return dtype if value is x else None
+
+
+# State a framework's API names while a program is traced (linen's `apply`
+# returns its mutable collections).
+_DECLARED: contextvars.ContextVar[_Declared | None] = contextvars.ContextVar(
+    "declared_state", default=None
+)
+
+
+def declare_state(made: Any, given: Any = None) -> None:
+    """Says that the arrays of `made`, values of the program being traced, are
+    state: returned by it, each keeps the dtype of `given`'s leaf at its path
+    (the variable as it came in), else its own. A no-op outside a traced call."""
+    declared = _DECLARED.get()
+    if declared is None:
+        return
+    dtypes = {
+        p: declared.dtype_given(x)
+        for p, x in jax.tree_util.tree_leaves_with_path(given)
+        if is_float(x)
+    }
+    for path, x in jax.tree_util.tree_leaves_with_path(made):
+        if is_float(x):
+            for value in ji.primals(x):
+                declared.kept[id(value)] = (value, dtypes.get(path, x.dtype))
+
+
+@contextlib.contextmanager
+def declarations(inputs: Sequence[Any], dtypes: Sequence[np.dtype]) -> Iterator[_Declared]:
+    """The state declared while a program of `inputs` (given in `dtypes`) is traced."""
+    declared = _Declared(inputs, dtypes)
+    token = _DECLARED.set(declared)
+    try:
+        yield declared
+    finally:
+        _DECLARED.reset(token)
+
+
 class Flow:
     """What one traced call returned from its arguments: each result array's source.
 
@@ -129,22 +197,43 @@ class Flow:
     the body of a loop ("scan", "while_loop" or "fori_loop"), else None.
     """
 
-    def __init__(self, sources: dict[int, Any] | None = None) -> None:
+    def __init__(
+        self, sources: dict[int, Any] | None = None, declared: dict[int, np.dtype] | None = None
+    ) -> None:
         self._sources = sources or {}
+        self._declared = declared or {}
         self.loop_body: tuple[str, Any] | None = None
 
     def source(self, leaf: Any) -> Any:
         """The argument array `leaf` was built from by buffer operations, or None."""
         return self._sources.get(id(leaf))
 
-    def called_with(self, args: Sequence[Any]) -> Flow:
-        """This flow, told the call's positional `args` (a loop body's carry among them)."""
-        self.loop_body = ji.loop_body_carry(args)
+    def kept_dtype(self, leaf: Any) -> np.dtype | None:
+        """The dtype the result `leaf` keeps as state (declared, or its source's), or None."""
+        if id(leaf) in self._declared:
+            return self._declared[id(leaf)]
+        source = self.source(leaf)
+        return None if source is None else source.dtype
+
+    def called_with(self, args: Sequence[Any], caller: Any) -> Flow:
+        """This flow, told the call's positional `args` (a loop body's carry among
+        them) and its caller's frame: a loop calls its body from JAX's (or Flax's,
+        Equinox's) own code; a function a user's body calls with the body's own
+        arguments is not the body."""
+        body = ji.called_by_a_library(caller)
+        self.loop_body = ji.loop_body_carry(args) if body else None
         return self
 
 
-def flow_of(values: Sequence[Any], sources: list[Sources], outs: Sequence[Any]) -> Flow:
-    """The `Flow` of a program run on `values` that returned `outs`, with `buffer_sources`."""
+def flow_of(
+    values: Sequence[Any],
+    sources: list[Sources],
+    outs: Sequence[Any],
+    declared: Sequence[np.dtype | None] = (),
+) -> Flow:
+    """The `Flow` of a program run on `values` that returned `outs`, with
+    `buffer_sources`, and the dtype declared for each result as it was traced."""
+    kept = {id(out): d for out, d in zip(outs, declared) if d is not None and is_float(out)}
     found = {}
     for out, positions in zip(outs, sources):
         if not positions or not is_float(out):
@@ -154,7 +243,7 @@ def flow_of(values: Sequence[Any], sources: list[Sources], outs: Sequence[Any]) 
             # Of several (a buffer grown from two), the one in the result's dtype.
             same = [v for v in candidates if v.dtype == out.dtype]
             found[id(out)] = (same or candidates)[0]
-    return Flow(found)
+    return Flow(found, kept)
 
 
 def as_given(new: Any, given: Any) -> Any:
@@ -214,9 +303,9 @@ def cast_results(
     def keep_source(leaf: Any, otherwise: Callable[[Any], Any]) -> Any:
         if not isinstance(leaf, ji.ARRAYS):
             return leaf
-        source = flow.source(leaf)
-        if source is not None and is_float(leaf):
-            return cast(leaf, source.dtype)
+        kept = flow.kept_dtype(leaf)
+        if kept is not None and is_float(leaf):
+            return cast(leaf, kept)
         return otherwise(leaf)
 
     def by_flow(tree: Any) -> Any:

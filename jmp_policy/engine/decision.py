@@ -48,7 +48,7 @@ PROMOTE_PRIMITIVES: frozenset[str] = frozenset(
         "tanh", "atan", "is_finite", "eq", "ne", "lt", "le", "gt", "ge",
         "select_n", "clamp", "stop_gradient", "reduce_precision", "copy",
         "broadcast_in_dim", "reshape", "squeeze", "transpose", "rev", "slice",
-        "dynamic_slice", "concatenate", "pad", "gather",
+        "dynamic_slice", "concatenate", "stack", "pad", "gather", "unstack",
         "split", "tile", "reduce_max", "reduce_min", "argmax", "argmin", "cummax",
         "cummin", "reduce_window_max", "reduce_window_min", "sharding_constraint",
     }

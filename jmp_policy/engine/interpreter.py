@@ -29,7 +29,7 @@ import numpy as np
 from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.dtypes import F32 as _F32
 from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, cast, is_complex, is_float, widest
-from jmp_policy.engine.data_flow import MOVES_DATA, buffer_sources, flow_of
+from jmp_policy.engine.data_flow import MOVES_DATA, buffer_sources, declarations, flow_of
 from jmp_policy.engine.decision import Rules, matmul_rules
 from jmp_policy.engine.products.fp8 import fp8_product
 from jmp_policy.engine.products.half import (
@@ -461,13 +461,21 @@ def trace_and_eval(fn: Callable, args: Any, rules: Rules | None, *, flow: bool =
     # the trace and come back as they were returned.
     out_leaves: list[Any] = []
     out_tree: list[Any] = []
+    declared_dtypes: list[Any] = []
 
-    def traced_fn(*values):
-        results, tree = jax.tree.flatten(flat_fn(*values))
+    def traced_fn(*traced):
+        given = [x.dtype for x in values]  # Not the widened stand-ins' (`_traced_and_run`).
+        declaring: contextlib.AbstractContextManager[Any] = (
+            declarations(traced, given) if flow else contextlib.nullcontext()
+        )
+        with declaring as declared:
+            results, tree = jax.tree.flatten(flat_fn(*traced))
         # The arrays are tracers of this trace: only their places are kept.
         out_leaves[:] = [_TRACED if isinstance(x, arrays) else x for x in results]
         out_tree[:] = [tree]
-        return [x for x in results if isinstance(x, arrays)]
+        array_results = [x for x in results if isinstance(x, arrays)]
+        declared_dtypes[:] = [declared and declared.kept_dtype(x) for x in array_results]
+        return array_results
 
     values = [leaves[i] for i in dynamic]
     token = _SHARED.set({}) if _SHARED.get() is None else None
@@ -484,7 +492,7 @@ def trace_and_eval(fn: Callable, args: Any, rules: Rules | None, *, flow: bool =
     out = jax.tree.unflatten(out_tree[0], full)
     if not flow:
         return out
-    return out, flow_of(values, buffer_sources(closed.jaxpr), results)
+    return out, flow_of(values, buffer_sources(closed.jaxpr), results, declared_dtypes)
 
 
 def _traced_and_run(traced_fn: Callable, values: list, rules: Rules | None) -> tuple[list, Any]:

@@ -10,8 +10,10 @@ register a handler or a reader here.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -54,6 +56,19 @@ def register_state_reader(reader: StateReader) -> None:
     """Lets `autocast` know which parts of a framework call's result are state."""
     if reader not in _STATE_READERS:
         _STATE_READERS.append(reader)
+
+
+# Contexts a framework enters around each traced call, in which its API
+# declares what is state as the program is traced (linen's interceptor: the
+# mutable collections an `apply` inside `fn` returns, `declare_state`).
+TraceContext = Callable[[], contextlib.AbstractContextManager]
+_TRACE_CONTEXTS: list[TraceContext] = []
+
+
+def register_trace_context(context: TraceContext) -> None:
+    """Lets `autocast` enter a framework's context around each traced call."""
+    if context not in _TRACE_CONTEXTS:
+        _TRACE_CONTEXTS.append(context)
 
 
 def _framework_state(fn: Callable, kwargs: dict, result: Any) -> ReturnsState:
@@ -191,16 +206,20 @@ def autocast(
     # original program.
     @functools.wraps(fn, updated=())
     def wrapped(*args, **kwargs):
+        caller = sys._getframe(1)
         run, flows = flow_recording_runner(rules)
-        for handler in _STATE_HANDLERS:
-            outs = handler(run, fn, args, kwargs)
-            if outs is not NotImplemented:
-                break
-        else:
-            outs = run(fn, args, kwargs)
+        with contextlib.ExitStack() as contexts:
+            for context in _TRACE_CONTEXTS:
+                contexts.enter_context(context())
+            for handler in _STATE_HANDLERS:
+                outs = handler(run, fn, args, kwargs)
+                if outs is not NotImplemented:
+                    break
+            else:
+                outs = run(fn, args, kwargs)
         # What the program returns from an argument keeps its dtype; results
         # take the output dtype.
-        flow = flows[-1].called_with(args)
+        flow = flows[-1].called_with(args, caller)
         said = _framework_state(fn, kwargs, outs) if returns_state is None else returns_state
         return cast_results(outs, flow, policy.cast_to_output, returns_state=said)
 

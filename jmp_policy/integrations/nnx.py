@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 import types
 from collections.abc import Callable, Container, Iterable
 from typing import Any, TypeVar, cast
@@ -432,17 +433,20 @@ class PolicyModule(nnx.Module):
         return key in self.keep_inputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1)  # A loop's, where this module is its body.
         try:
-            out, flow = self._traced(args, kwargs, ())
+            out, flow = self._traced(args, kwargs, (), caller)
         except Exception as error:
             if not self._as_written:
                 raise
             out, flow = casting.run_as_written(
-                error, lambda: self._traced(args, kwargs, self._as_written), self.module
+                error, lambda: self._traced(args, kwargs, self._as_written, caller), self.module
             )
         return cast_results(out, flow, self.policy.cast_to_output, returns_state=self.returns_state)
 
-    def _traced(self, args: tuple, kwargs: dict, as_written: tuple) -> tuple[Any, Flow]:
+    def _traced(
+        self, args: tuple, kwargs: dict, as_written: tuple, caller: Any
+    ) -> tuple[Any, Flow]:
         """The module's result, run through the engine (its state written back), and its flow."""
         run, flows = flow_recording_runner(self._rules)
         try:
@@ -459,7 +463,7 @@ class PolicyModule(nnx.Module):
                 "cast the carry back in the loop body (e.g. `return block(x).astype(x.dtype)`), "
                 "or drop the rule."
             ) from e
-        return out, flows[-1].called_with(args)
+        return out, flows[-1].called_with(args, caller)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -609,15 +613,20 @@ def autocast_with_state(run: Callable, fn: Callable, args: tuple, kwargs: dict) 
 
     def pure(traced_state, others):
         new_nodes = nnx.merge(graphdef, traced_state)
+        params = jax.tree.leaves(nnx.state(new_nodes, nnx.Param))
         full = list(others)
         for i, node in zip(at, new_nodes):
             full[i] = node
         head, a, k = jax.tree.unflatten(treedef, full)
         out = head(*a, **k) if call is None else call(head, *a, **k)
         # What a call updates (statistics, PRNG counters, caches), in the
-        # dtypes the variables have: parameters are read only, and writing
-        # them back would fail for a module that a jitted function closes over.
-        return out, as_given(nnx.state(new_nodes, nnx.Not(nnx.Param)), state)
+        # dtypes the variables have. Parameters only where the call wrote
+        # them (as plain NNX would): writing back the others would fail for a
+        # module that a jitted function closes over.
+        now = jax.tree.leaves(nnx.state(new_nodes, nnx.Param))
+        written = any(a is not b for a, b in zip(now, params))
+        updated = nnx.state(new_nodes, ...) if written else nnx.state(new_nodes, nnx.Not(nnx.Param))
+        return out, as_given(updated, state)
 
     out, new_state = run(pure, (state, others), {})
     nnx.update(nodes, new_state)

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jmp_policy.core.policy import Policy
+from jmp_policy.engine.data_flow import declare_state
 from jmp_policy.engine.decision import policy_products
 from jmp_policy.engine.residuals import traced_for
 from jmp_policy.integrations.linen import flax_internals
@@ -62,6 +63,8 @@ class _Call:
     # The variables bound to each model (a root scope, by id): their arrays'
     # ids, and their structure and shapes (seen again inside a `jax.jit`).
     bound: dict[int, tuple[set[int], Any]] = dataclasses.field(default_factory=dict)
+    # The variables each root scope (by id) was given, for `declare_collections`.
+    given: dict[int, Any] = dataclasses.field(default_factory=dict)
 
 
 _CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("call")
@@ -105,6 +108,38 @@ def _calling(
     finally:
         _ACTIVE_POLICY.reset(token)
         _CALL.reset(call_token)
+
+
+def remember_given(module: nn.Module, given: dict[int, Any]) -> None:
+    """Keeps a model's variables as they came in, at its root scope's first call."""
+    root = module.scope
+    if root is not None and root.parent is None and id(root) not in given:
+        # A copy of the structure (its leaves as they are now: the scope's own
+        # dicts change as the call writes), and the scope, so its id stays its own.
+        given[id(root)] = (root, jax.tree.map(lambda x: x, module.variables))
+
+
+def declare_collections(module: nn.Module, given: dict[int, Any]) -> None:
+    """At the end of a model's call (a root scope's), its mutable collections are
+    state: what `apply` hands back keeps the dtypes it came in (`declare_state`),
+    also where a function around `apply` returns it."""
+    root = module.scope
+    if root is not None and root.parent is None:
+        declare_state(root.mutable_variables(), given.get(id(root), (None, None))[1])
+
+
+def recording_interceptor() -> Callable:
+    """A linen method interceptor that only declares collections (for `autocast`)."""
+    given: dict[int, Any] = {}
+
+    def interceptor(next_fun, args, kwargs, context):
+        remember_given(context.module, given)
+        out = next_fun(*args, **kwargs)
+        if context.method_name == "__call__" or not context.method_name.startswith("__"):
+            declare_collections(context.module, given)
+        return out
+
+    return interceptor
 
 
 def _identity(tree: Any) -> tuple[set[int], Any]:

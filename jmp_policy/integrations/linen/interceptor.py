@@ -19,7 +19,15 @@ from jmp_policy.engine.decision import policy_products
 from jmp_policy.engine.interpreter import product_scope
 from jmp_policy.integrations import casting
 from jmp_policy.integrations.linen.arguments import _keeper
-from jmp_policy.integrations.linen.call import _ACTIVE_POLICY, _CALL, _Call, _identity, _module_path
+from jmp_policy.integrations.linen.call import (
+    _ACTIVE_POLICY,
+    _CALL,
+    _Call,
+    _identity,
+    _module_path,
+    declare_collections,
+    remember_given,
+)
 from jmp_policy.integrations.linen.loop_carries import _carry_loop, _restore_carry
 from jmp_policy.integrations.linen.remat_norms import _rematerialised, _should_remat
 from jmp_policy.integrations.rules import RuleSet
@@ -66,6 +74,7 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
         scope = module.scope
         if scope is not None and scope.parent is None and id(scope) not in call.bound:
             call.bound[id(scope)] = _identity(module.variables)
+        remember_given(module, call.given)
         inherited = _ACTIVE_POLICY.get()
         policy, named = _module_policy(module, rules, inherited, call)
         if call.configured is None and context.method_name != "setup":
@@ -110,6 +119,7 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
                 next_fun = _rematerialised(next_fun, call.norm_programs)
             with _promotion(module), scope:
                 out = next_fun(*args, **kwargs)
+            declare_collections(module, call.given)
             loop = _carry_loop(module)
             return out if loop is None else _restore_carry(loop, given, out)
         finally:
