@@ -1372,6 +1372,57 @@ class Loop(nn.Module):
         return h
 
 
+class FnScan(nn.Module):
+    """`nn.scan` of a function over the module itself, as Flax documents it."""
+
+    @nn.compact
+    def __call__(self, x, xs):
+        dense = nn.Dense(x.shape[-1], name="dense")
+        if self.is_initializing():
+            dense(x)
+
+        def body(module, c, xt):
+            h = jnp.tanh(dense(c + xt))
+            return h, h
+
+        scan = nn.scan(body, variable_broadcast="params", split_rngs={"params": False})
+        return scan(self, x, xs)
+
+
+class WhileSelf(nn.Module):
+    """`nn.while_loop` over the module itself, its layer read off it in the body."""
+
+    def setup(self):
+        self.dense = nn.Dense(4)
+
+    def __call__(self, x):
+        self.dense(x)
+        body = lambda m, c: (jnp.tanh(m.dense(c[0])), c[1] + 1)  # noqa: E731
+        return nn.while_loop(lambda m, c: c[1] < 3, body, self, (x, 0))[0]
+
+
+@pytest.mark.parametrize("model", [FnScan(), WhileSelf()], ids=["nn.scan(fn)", "nn.while_loop"])
+def test_loops_written_as_functions_keep_their_carry(model):
+    # The policy's dtype fields would make the body's carry bfloat16 (the
+    # model's own bf16 config fails here the same way): the call runs again
+    # with every module's fields as written, the engine keeping the carry
+    # and taking every product to bfloat16.
+    x, xs = _seq(3, (2, 4)), _seq(4, (3, 2, 4))
+    args = (x, xs) if isinstance(model, FnScan) else (x,)
+    with pytest.warns(RuntimeWarning, match="carry input and carry output"):
+        variables = with_policy(model.init, "mixed_bfloat16")(jax.random.key(0), *args)
+    apply = with_policy(model.apply, "mixed_bfloat16")
+    with pytest.warns(RuntimeWarning, match="runs with them as written"):
+        out = apply(variables, *args)
+        text = jax.jit(apply).lower(variables, *args).as_text()
+    assert _dtypes(variables) == {F32}
+    assert jax.tree.leaves(out)[0].dtype == F32
+    np.testing.assert_allclose(
+        jax.tree.leaves(out)[0], jax.tree.leaves(model.apply(variables, *args))[0], atol=3e-2
+    )
+    assert set(compute_dtypes(contractions(text))) == {BF16}
+
+
 def test_while_loop_carry_keeps_its_dtype():
     model, x = Loop(), _seq(2, (2, 4))
     variables = model.init(jax.random.key(0), x)

@@ -24,7 +24,7 @@ from flax import nnx
 import jmp_policy as jmp
 import jmp_policy.nnx as jnnx
 
-from helpers import hlo_ops
+from helpers import contractions, hlo_ops
 
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(np.float16)
@@ -463,6 +463,40 @@ def test_nnx_scan_runs_under_a_policy_and_a_rule_that_mixes_its_carry_says_what_
         model.cast_carry = True
         fixed = jnnx.PolicyModule(model, "mixed_bfloat16", rules={"blocks/proj": "f32"})
         np.testing.assert_allclose(fixed(x), expected, atol=3e-2)
+
+
+class ScanOverLayers(nnx.Module):
+    """Flax's scan over layers: the model's float32 input is the carry."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return nnx.Linear(8, 8, rngs=rngs)
+
+        self.blocks = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def body(block, h):
+            return jnp.tanh(block(h))
+
+        return body(self.blocks, x)
+
+
+def test_a_carry_the_policys_fields_would_change_keeps_its_dtype():
+    # The layers' bfloat16 fields would make the float32 carry bfloat16 (the
+    # model's own half config fails here): the call runs again with the
+    # fields as written, the engine taking the products to bfloat16.
+    model, x = ScanOverLayers(nnx.Rngs(0)), jnp.linspace(-1, 1, 32).reshape(4, 8)
+    expected = model(x)
+    mixed = jnnx.PolicyModule(model, "mixed_bfloat16")
+    with pytest.warns(RuntimeWarning, match="carry input and carry output"):
+        out = mixed(x)
+        text = jax.jit(lambda x: mixed(x)).lower(x).as_text()
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, expected, atol=3e-2)
+    assert {d for c in contractions(text) for d in c.operand_dtypes} == {BF16}
 
 
 class SinusoidalEmbedding(nnx.Module):

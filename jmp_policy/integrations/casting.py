@@ -110,7 +110,7 @@ def run_as_written(error: Exception, run: Callable[[], T], model: Any) -> T:
     if failed:
         raise error  # Outside the handler: its cause and context as they were.
     warnings.warn(
-        f"jmp_policy: {type(model).__name__} fails with the policy's dtypes in its own "
+        f"jmp_policy: {type(model).__name__} fails with the policy's dtypes in its "
         f"modules' fields ({type(error).__name__}: {error}); it runs with them as written, "
         "every product in the policy's dtypes, the values between products in the "
         "model's own.",

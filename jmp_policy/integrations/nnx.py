@@ -208,7 +208,11 @@ def with_policy(module: M, policy: PolicyLike, *, rules: Rules | None = None) ->
 def _with_policy(
     module: nnx.Module, policy: PolicyLike, rules: Rules | None
 ) -> tuple[
-    nnx.Module, dict[PathParts, Policy], set[PathParts], set[PathParts], dict[PathParts, dict]
+    nnx.Module,
+    dict[PathParts, Policy],
+    set[PathParts],
+    set[PathParts],
+    dict[PathParts, tuple[dict, bool]],
 ]:
     if not isinstance(module, nnx.Module):
         raise TypeError(
@@ -232,15 +236,15 @@ def _with_policy(
         path: p if path in named else casting.own_policy(modules[path], p)
         for path, p in policies.items()
     }
-    # The fields of a third party's own modules as its author wrote them
-    # (`casting.run_as_written`).
-    written: dict[PathParts, dict] = {}
+    # The fields of every module as its author wrote them, and of a third
+    # party's own ones (`casting.run_as_written`).
+    written: dict[PathParts, tuple[dict, bool]] = {}
     for path, sub in modules.items():
         if casting.keeps_its_dtypes(sub):
             continue  # Complex parameters are left alone by `cast_to_param` too.
         had = _configure(sub, _norm_policy(policies[path]) if path in norms else policies[path])
-        if had and not casting.is_flax_layer(sub):
-            written[path] = had
+        if had:
+            written[path] = (had, not casting.is_flax_layer(sub))
     for path, node in nnx.iter_graph(mixed):
         if isinstance(node, nnx.Param):
             value = node.get_value()
@@ -391,9 +395,17 @@ class PolicyModule(nnx.Module):
         self.policy = get_policy(policy)
         self.returns_state = returns_state
         self.module, policies, named, norms, written = _with_policy(module, self.policy, rules)
-        self._as_written = tuple(
-            (path, tuple(fields.items())) for path, fields in sorted(written.items(), key=str)
-        )
+
+        def as_written(third_party_only: bool) -> tuple:
+            return tuple(
+                (path, tuple(fields.items()))
+                for path, (fields, third_party) in sorted(written.items(), key=str)
+                if third_party or not third_party_only
+            )
+
+        # A third party's own modules' fields, where they fail with the policy's;
+        # every module's, where the policy's would change a loop's carry.
+        self._as_written, self._all_as_written = as_written(True), as_written(False)
         # The norms' configuration follows the promotion in force at each call.
         self._norms = tuple((path, policies[path]) for path in sorted(norms, key=_path_str))
         # The model's inputs are cast as any layer's: by its own policy (a
@@ -437,10 +449,12 @@ class PolicyModule(nnx.Module):
         try:
             out, flow = self._traced(args, kwargs, (), caller)
         except Exception as error:
-            if not self._as_written:
+            carry = isinstance(error, TypeError) and jax_internals.is_loop_carry_type_change(error)
+            written = self._all_as_written if carry else self._as_written
+            if not written:
                 raise
             out, flow = casting.run_as_written(
-                error, lambda: self._traced(args, kwargs, self._as_written, caller), self.module
+                error, lambda: self._traced(args, kwargs, written, caller), self.module
             )
         return cast_results(out, flow, self.policy.cast_to_output, returns_state=self.returns_state)
 

@@ -40,6 +40,9 @@ class _Call:
     rewrite: bool = False  # Products are decided by the op-level rewrite (not in `init`).
     # A third party's own modules keep their dtype fields as written (`casting.run_as_written`).
     as_written: bool = False
+    # No module's dtype fields are set, Flax's own either: after a lifted loop
+    # refused the carry they changed (the engine alone decides the products).
+    fields_unset: bool = False
     # Whether the policy set a dtype field of a third party's own module.
     set_third_party_fields: bool = False
     top: bool = True  # The next intercepted call is the model's own (its inputs).

@@ -199,7 +199,10 @@ def with_policy(
     third party's module fails with the policy's dtypes in its own fields
     (MaxText's checks that its keys, in `fprop_dtype`, and values agree),
     the call runs again with them as written, every product still decided
-    so, and a `RuntimeWarning` says so.
+    so, and a `RuntimeWarning` says so; so does a lifted loop written as a
+    function (`nn.scan(fn, ...)(self, ...)`, `nn.while_loop`) whose carry
+    the policy's fields would change (the model's own half config fails
+    there): every module's fields as written, the engine keeps the carry.
 
     A policy with a `matmul_dtype` (`"p=f32,c=bf16,o=f32,m=bf16"`,
     `"mixed_float8"`) sets every product of the model: `half_dot_general`
@@ -297,7 +300,7 @@ def with_policy(
         """`variables` with each parameter in the dtype the model makes it in under the policy."""
         if not isinstance(variables, Mapping) or "params" not in variables:
             return variables
-        key = (*made_key, call.as_written)
+        key = (*made_key, call.as_written, call.fields_unset)
         dtypes = _MADE.get(model, key, args, kwargs)
         if dtypes is None:
             dtypes = _made_dtypes(model, policy, interceptor, args, kwargs, call)
@@ -332,9 +335,15 @@ def with_policy(
         try:
             result, flow = traced(call)
         except Exception as error:
-            if entry != "apply" or not call.set_third_party_fields:
+            # A lifted loop (`nn.scan(fn, ...)`, `nn.while_loop`) whose body the
+            # fields made change its carry: the engine keeps carries, the fields go.
+            carry = isinstance(error, TypeError) and jax_internals.is_loop_carry_type_change(error)
+            if not (carry or (entry == "apply" and call.set_third_party_fields)):
                 raise
-            call = _Call(keep_inputs=keep_inputs, rewrite=True, as_written=True)
+            call = _Call(
+                keep_inputs=keep_inputs, rewrite=entry != "init", as_written=True,
+                fields_unset=carry,
+            )  # fmt: skip
             result, flow = casting.run_as_written(error, lambda: traced(call), model)
         if "method" not in kwargs:
             # A whole-model call met every module: a pattern that matched none is a typo.

@@ -91,6 +91,8 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
             if call.as_written:
                 overrides = {}
             call.set_third_party_fields = True
+        if call.fields_unset:
+            overrides = {}
         overrides.update(casting.matmul_overrides(module, own, rewritten=call.rewrite))
         saved = {name: getattr(module, name) for name in overrides}
         token = _ACTIVE_POLICY.set(policy)

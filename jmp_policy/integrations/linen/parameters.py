@@ -56,7 +56,7 @@ def _made_dtypes(
         key = jax.random.key(0)
         return model.init({"params": key, **dict.fromkeys(streams, key)}, *a, **k)
 
-    made = _Call(frozenset(), as_written=call.as_written)
+    made = _Call(frozenset(), as_written=call.as_written, fields_unset=call.fields_unset)
     try:
         with flax_internals.interceptors_set_aside(), _calling(policy, made, interceptor):
             try:
