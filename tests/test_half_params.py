@@ -523,8 +523,11 @@ def test_bad_input_raises_naming_the_argument():
         jmp.half_param_updates(optax.adam)
     with pytest.raises(ValueError, match=r"method must be 'kahan' or 'stochastic', got 'nearest'"):
         jmp.half_param_updates(optax.sgd(0.1), "nearest")
-    with pytest.raises(ValueError, match=r"seed must be a non-negative integer, got -1"):
-        jmp.half_param_updates(optax.sgd(0.1), seed=-1)
+    for seed in (-1, 2**64):  # `jax.random.key` would overflow on the second.
+        with pytest.raises(
+            ValueError, match=rf"seed must be an integer in \[0, 2\*\*63\), got {seed}"
+        ):
+            jmp.half_param_updates(optax.sgd(0.1), seed=seed)
     with pytest.raises(TypeError, match=r"seed must be a non-negative integer, got 1.5"):
         jmp.half_param_updates(optax.sgd(0.1), seed=1.5)
     tx = jmp.half_param_updates(optax.sgd(0.1))

@@ -1,5 +1,6 @@
 """Loss scales: the dynamic rule, dtypes, pytree behaviour, finiteness helpers."""
 
+import dataclasses
 import math
 
 import hypothesis
@@ -524,6 +525,9 @@ def test_select_tree_rejects_non_boolean_scalar(pred):
         ({"loss_scale": 2.0, "factor": 1}, "factor"),
         ({"loss_scale": 2.0, "factor": 0.5}, "factor"),
         ({"loss_scale": 2.0, "factor": float("inf")}, "factor"),
+        ({"loss_scale": 2.0, "factor": 1 + 1e-9}, "factor"),  # 1 in float32: never moves
+        ({"loss_scale": 2.0, "factor": 1e39}, "factor"),  # inf in float32
+        ({"loss_scale": 2.0, "counter": 2**40}, "counter"),  # not an int32
         ({"loss_scale": 2.0, "hysteresis": 0}, "hysteresis"),
         ({"loss_scale": 2.0, "min_loss_scale": 4.0, "max_loss_scale": 2.0}, "min_loss_scale"),
         ({"loss_scale": 0.5}, "loss_scale"),  # below the default min 1.0
@@ -533,6 +537,27 @@ def test_select_tree_rejects_non_boolean_scalar(pred):
 def test_bad_dynamic_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         jmp.DynamicLossScale(**kwargs)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_bounds_that_are_not_float32_numbers_hold_as_float32_numbers(jit):
+    # 0.7 and 0.01 are not float32 numbers: `adjust` floors in float32, and the
+    # state it returns is valid (eagerly it was refused: 0.69999999 < 0.7).
+    adjust = jax.jit(lambda s, f: s.adjust(f)) if jit else (lambda s, f: s.adjust(f))
+    for lo, steps in ((0.7, 1), (0.01, 8)):
+        ls = jmp.DynamicLossScale(1.0, period=1, min_loss_scale=lo)
+        for _ in range(steps):
+            ls = adjust(ls, jnp.bool_(False))
+        assert ls.loss_scale == np.float32(lo)
+        dataclasses.replace(ls)  # Still a valid state.
+    ls = jmp.DynamicLossScale(2.0, period=1, factor=1.5, max_loss_scale=2.9999999)
+    assert adjust(ls, jnp.bool_(True)).loss_scale == 3.0  # 2.9999999 is 3 in float32
+
+
+def test_a_zero_static_scale_says_every_step_is_skipped():
+    with pytest.warns(UserWarning, match="loss_scaled skips every step"):
+        ls = jmp.StaticLossScale(0)
+    assert not jmp.all_finite(ls.unscale(ls.scale(jnp.ones(2))))
 
 
 @pytest.mark.parametrize("value", [-1.0, float("inf"), float("nan")])

@@ -266,8 +266,8 @@ def half_param_updates(
       inner: the optimizer whose updates to apply, e.g. `optax.adamw(1e-4)`.
       method: "kahan" (deterministic, one half buffer per half parameter) or
         "stochastic" (random, no buffer).
-      seed: seeds the PRNG key of the stochastic rounding (a non-negative
-        integer).
+      seed: seeds the PRNG key of the stochastic rounding (an integer in
+        [0, 2**63), as `jax.random.key` takes).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
@@ -277,7 +277,7 @@ def half_param_updates(
       TypeError: if `inner` is not an optax transformation or `seed` is not an
         integer.
       ValueError: if `method` is not "kahan" or "stochastic", or `seed` is
-        negative; from `update`, if `params` is None.
+        outside [0, 2**63); from `update`, if `params` is None.
 
     References: Kahan, "Further remarks on reducing truncation errors" (1965);
     Zamirai et al., "Revisiting BFloat16 Training" (2020); optimi's Kahan
@@ -306,8 +306,8 @@ def half_param_updates(
         raise ValueError(f"method must be 'kahan' or 'stochastic', got {method!r}.")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"seed must be a non-negative integer, got {seed!r}.")
-    if seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}.")
+    if not 0 <= seed < 2**63:  # What `jax.random.key` takes.
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}.")
     seed = operator.index(seed)
     inner = optax.with_extra_args_support(inner)
 

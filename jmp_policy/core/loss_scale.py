@@ -30,6 +30,7 @@ C = TypeVar("C", bound=type)
 _TINY = float(np.finfo(np.float32).tiny)
 _F32_MAX = float(np.finfo(np.float32).max)
 _INT32_MAX = int(np.iinfo(np.int32).max)
+_INT32_MIN = int(np.iinfo(np.int32).min)
 
 
 def _is_inexact(x: Any) -> bool:
@@ -117,7 +118,11 @@ def _as_int32_scalar(x: Any, name: str) -> Any:
     """Converts a user's counter to an int32 scalar leaf."""
     if not (_is_array_like(x) and jnp.issubdtype(_dtype_of(x), jnp.integer) and np.ndim(x) == 0):
         raise TypeError(f"{name} must be an integer scalar, got {x!r}.")
-    return x if _dtype_of(x) == np.int32 else jnp.asarray(x, jnp.int32)
+    if _dtype_of(x) == np.int32:
+        return x
+    if not isinstance(x, jax.Array) and not _INT32_MIN <= int(np.asarray(x)) <= _INT32_MAX:
+        raise ValueError(f"{name} must fit int32 (it is an int32 leaf), got {x!r}.")
+    return jnp.asarray(x, jnp.int32)
 
 
 def _static_float(x: Any, name: str, warn_if_int: bool = False) -> float:
@@ -239,8 +244,12 @@ class StaticLossScale(LossScale):
                 f"{_F32_MAX:g}], got {value}."
             )
         if value == 0:
-            # jmp accepts it (its own tests build one); it zeroes every gradient.
-            warnings.warn("StaticLossScale(0) scales every gradient to zero.", stacklevel=3)
+            # jmp accepts it (its own tests build one).
+            warnings.warn(
+                "StaticLossScale(0) scales every loss to zero, and unscaling divides by "
+                "zero: every gradient is non-finite, and loss_scaled skips every step.",
+                stacklevel=3,
+            )
         object.__setattr__(self, "loss_scale", value)
 
     def scale(self, tree: T) -> T:
@@ -340,8 +349,9 @@ class DynamicLossScale(LossScale):
                 f"counter must be in [0, period) = [0, {int(period)}), got {given_counter!r}."
             )
         factor = _static_float(self.factor, "factor")
-        if not (factor > 1 and math.isfinite(factor)):
-            raise ValueError(f"factor must be a finite number > 1, got {self.factor!r}.")
+        # `adjust` multiplies and divides in float32: there it must be > 1 and finite.
+        if not (np.float32(factor) > 1 and math.isfinite(np.float32(factor))):
+            raise ValueError(f"factor must be a finite number > 1 in float32, got {self.factor!r}.")
         set_("factor", self.factor if isinstance(self.factor, int) else factor)
         lo = _static_float(self.min_loss_scale, "min_loss_scale", True)
         hi = _static_float(self.max_loss_scale, "max_loss_scale")
@@ -380,7 +390,8 @@ class DynamicLossScale(LossScale):
                 )
         if _is_concrete_scalar(given_scale):
             scale = float(given_scale)
-            if not lo <= scale <= hi:
+            # In float32, as `adjust` floors and caps it (0.7 is 0.69999999 there).
+            if not np.float32(lo) <= np.float32(scale) <= np.float32(hi):
                 raise ValueError(
                     f"loss_scale={scale} is outside [min_loss_scale, "
                     f"max_loss_scale] = [{lo}, {hi}]."
