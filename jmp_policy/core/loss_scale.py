@@ -350,7 +350,9 @@ class DynamicLossScale(LossScale):
             )
         factor = _static_float(self.factor, "factor")
         # `adjust` multiplies and divides in float32: there it must be > 1 and finite.
-        if not (np.float32(factor) > 1 and math.isfinite(np.float32(factor))):
+        with np.errstate(over="ignore"):
+            factor32 = np.float32(factor)
+        if not (factor32 > 1 and math.isfinite(factor32)):
             raise ValueError(f"factor must be a finite number > 1 in float32, got {self.factor!r}.")
         set_("factor", self.factor if isinstance(self.factor, int) else factor)
         lo = _static_float(self.min_loss_scale, "min_loss_scale", True)

@@ -627,7 +627,7 @@ def autocast_with_state(run: Callable, fn: Callable, args: tuple, kwargs: dict) 
 
     def pure(traced_state, others):
         new_nodes = nnx.merge(graphdef, traced_state)
-        params = jax.tree.leaves(nnx.state(new_nodes, nnx.Param))
+        given_params = jax.tree.leaves(nnx.state(new_nodes, nnx.Param))
         full = list(others)
         for i, node in zip(at, new_nodes):
             full[i] = node
@@ -638,7 +638,7 @@ def autocast_with_state(run: Callable, fn: Callable, args: tuple, kwargs: dict) 
         # them (as plain NNX would): writing back the others would fail for a
         # module that a jitted function closes over.
         now = jax.tree.leaves(nnx.state(new_nodes, nnx.Param))
-        written = any(a is not b for a, b in zip(now, params))
+        written = any(x is not given for x, given in zip(now, given_params))
         updated = nnx.state(new_nodes, ...) if written else nnx.state(new_nodes, nnx.Not(nnx.Param))
         return out, as_given(updated, state)
 

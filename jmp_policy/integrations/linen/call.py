@@ -63,10 +63,9 @@ class _Call:
     products: list[tuple] = dataclasses.field(default_factory=list)
     # `nn.jit` keys its traces on it (see `_nn_jit_keyed_on_the_call`).
     trace_key: int = dataclasses.field(default_factory=lambda: next(_TRACE_KEYS))
-    # The variables bound to each model (a root scope, by id): their arrays'
-    # ids, and their structure and shapes (seen again inside a `jax.jit`).
-    bound: dict[int, tuple[set[int], Any]] = dataclasses.field(default_factory=dict)
-    # The variables each root scope (by id) was given, for `declare_collections`.
+    # The variables bound to each model (a root scope, by id), as they came in
+    # (`remember_given`): state keeps their dtypes, and a plain function's
+    # arguments taken for variables are checked against them.
     given: dict[int, Any] = dataclasses.field(default_factory=dict)
 
 

@@ -23,7 +23,6 @@ from jmp_policy.integrations.linen.call import (
     _ACTIVE_POLICY,
     _CALL,
     _Call,
-    _identity,
     _module_path,
     declare_collections,
     remember_given,
@@ -71,9 +70,6 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
             # and calls the module's own methods, intercepted then.
             return next_fun(*args, **kwargs)
         call = _CALL.get()
-        scope = module.scope
-        if scope is not None and scope.parent is None and id(scope) not in call.bound:
-            call.bound[id(scope)] = _identity(module.variables)
         remember_given(module, call.given)
         inherited = _ACTIVE_POLICY.get()
         policy, named = _module_policy(module, rules, inherited, call)

@@ -70,7 +70,8 @@ def _check_bound_as_variables(keys: list, args: tuple, kwargs: dict, call: _Call
     for key in keys:
         value = args[key] if isinstance(key, int) else kwargs[key]
         ids, layout = _identity(value)
-        if ids and not any(ids & seen or layout == same for seen, same in call.bound.values()):
+        bound = [_identity(variables) for _, variables in call.given.values()]
+        if ids and not any(ids & seen or layout == same for seen, same in bound):
             raise TypeError(
                 f"with_policy took argument {key!r} (a mapping with a 'params' entry) for "
                 "Flax variables and left it in its dtypes, but no linen model was applied "
