@@ -181,6 +181,24 @@ def test_strong_leaf_in_target_dtype_adds_no_convert():
     assert policy.cast_to_compute(x) is x
 
 
+def test_numpy_leaves_come_back_as_copies_as_in_jmp():
+    """A numpy array is mutable: a cast gives a fresh one even in its own dtype,
+    so editing the cast batch in place leaves the caller's array alone."""
+    for lib in (jmp_policy, real_jmp):
+        raw = np.zeros(3, np.float32)
+        for cast in (lib.get_policy("f32").cast_to_compute, lib.cast_to_full):
+            out = cast({"x": raw})["x"]
+            out += 1.0
+            assert out is not raw and not raw.any()
+
+
+def test_get_policy_takes_jmps_argument_name():
+    assert jmp_policy.get_policy(policy_name="mixed_bfloat16") == jmp_policy.get_policy(
+        "p=f32,c=bf16,o=f32"
+    )
+    assert str(real_jmp.get_policy(policy_name="p=f32,c=bf16,o=f32")) == "p=full,c=bf16,o=full"
+
+
 def test_half_dtype_matches_jmp():
     """Point 1: half_dtype() is jmp's scalar type, callable as in jmp's README."""
     assert jmp_policy.half_dtype() is real_jmp.half_dtype()

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import warnings
 
 import hypothesis
 import jax
@@ -532,6 +533,15 @@ def test_select_tree_rejects_non_boolean_scalar(pred):
         ({"loss_scale": 2.0, "min_loss_scale": 4.0, "max_loss_scale": 2.0}, "min_loss_scale"),
         ({"loss_scale": 0.5}, "loss_scale"),  # below the default min 1.0
         ({"loss_scale": 2.0**20, "max_loss_scale": 2.0**10}, "loss_scale"),
+        ({"loss_scale": 2.0, "hysteresis": 2**31}, "hysteresis"),  # overflows are int32
+        # Subnormal in float32: unscaling would overflow every gradient.
+        ({"loss_scale": 1e-39, "min_loss_scale": 0.0}, "loss_scale"),
+        # Python ints too large for a float are out of range, not an OverflowError.
+        ({"loss_scale": 10**400}, "loss_scale"),
+        ({"loss_scale": 2.0, "period": 10**400}, "period"),
+        ({"loss_scale": 2.0, "factor": 10**400}, "factor"),
+        ({"loss_scale": 2.0, "min_loss_scale": 10**400}, "min_loss_scale"),
+        ({"loss_scale": 2.0, "counter": 10**400}, "counter"),
     ],
 )
 def test_bad_dynamic_arguments(kwargs, name):
@@ -560,7 +570,23 @@ def test_a_zero_static_scale_says_every_step_is_skipped():
     assert not jmp.all_finite(ls.unscale(ls.scale(jnp.ones(2))))
 
 
-@pytest.mark.parametrize("value", [-1.0, float("inf"), float("nan")])
+def test_a_cap_beyond_float32_is_float32s_largest_number():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # No numpy overflow warning, here or in `adjust`.
+        for cap in (1e39, 10**400):
+            ls = jmp.DynamicLossScale(2.0**127, period=1, max_loss_scale=cap)
+            assert ls.max_loss_scale == float(np.finfo(np.float32).max)
+            assert ls.adjust(jnp.bool_(True)).loss_scale == 2.0**127  # 2**128 is inf
+
+
+def test_a_scalar_predicate_of_another_dtype_is_not_told_to_reduce():
+    with pytest.raises(ValueError, match=r"dtype int32\.$"):
+        jmp.DynamicLossScale(2.0).adjust(jnp.int32(0))
+    with pytest.raises(ValueError, match="Reduce it first"):
+        jmp.DynamicLossScale(2.0).adjust(jnp.ones(2, bool))
+
+
+@pytest.mark.parametrize("value", [-1.0, float("inf"), float("nan"), 10**400])
 def test_bad_static_scale(value):
     with pytest.raises(ValueError, match="loss_scale"):
         jmp.StaticLossScale(value)

@@ -389,8 +389,24 @@ def test_get_loss_scale_errors():
     )
     with pytest.raises(ValueError, match="found 2"):
         jmp.get_loss_scale(two.init(params))
+    # One wrapped in another (a trainer wrapping a user's wrapped optimizer):
+    # gradients would be unscaled twice by a scale read from only one of them.
+    nested = jmp.loss_scaled(jmp.loss_scaled(optax.sgd(0.1), jmp.NoOpLossScale()),
+                             jmp.NoOpLossScale())  # fmt: skip
+    with pytest.raises(ValueError, match="found 2"):
+        jmp.get_loss_scale(nested.init(params))
     with pytest.raises(TypeError, match="loss_scale"):
         jmp.loss_scaled(optax.sgd(0.1), 2.0**15)
+
+
+def test_a_loss_scale_of_another_library_is_named_as_such():
+    class DynamicLossScale:  # As DeepMind's jmp names its own.
+        pass
+
+    with pytest.raises(
+        TypeError, match=r"jmp_policy's .* \(a test_optimizer\.(.*)DynamicLossScale\)"
+    ):
+        jmp.loss_scaled(optax.sgd(0.1), DynamicLossScale())
 
 
 # --- Checkpointing ------------------------------------------------------------------
@@ -540,6 +556,9 @@ def test_half_parameters_keep_their_state_dtypes(dtype, inner, loss_scale):
     grads = {"w": jnp.full(4, 2.0**8, dtype), "b": jnp.full(2, -(2.0**8), dtype)}  # scaled by 2^10
     updates, state = step(grads, state, params)
     assert jax.tree.map(lambda x: x.dtype, state.inner_state) == dtypes
+    # Updates in the gradients' dtype, as without the wrapper: Equinox's
+    # `apply_updates` (p + u) would otherwise make the parameters float32.
+    assert {x.dtype for x in jax.tree.leaves(updates)} == {np.dtype(dtype)}
     params = optax.apply_updates(params, updates)
     assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype(dtype)}
     assert float(params["w"][0]) < 1.0 and float(params["b"][0]) > 0.0

@@ -106,7 +106,7 @@ def _as_float32_scale(x: Any, name: str, warn_if_int: bool) -> Any:
         # jmp's warning, kept for compatibility; the value is converted and works.
         warnings.warn(f"Expected floating type for {name}, got {dtype}", stacklevel=4)
     if _is_concrete_scalar(x):
-        value = float(x)
+        value = _float_or_inf(x)
         if not (math.isfinite(value) and 0 < value <= _F32_MAX):
             raise ValueError(f"{name} must be a positive finite float32 number, got {x!r}.")
     if dtype != np.float32:
@@ -116,6 +116,8 @@ def _as_float32_scale(x: Any, name: str, warn_if_int: bool) -> Any:
 
 def _as_int32_scalar(x: Any, name: str) -> Any:
     """Converts a user's counter to an int32 scalar leaf."""
+    if isinstance(x, int) and not isinstance(x, bool) and not _INT32_MIN <= x <= _INT32_MAX:
+        raise ValueError(f"{name} must fit int32 (it is an int32 leaf), got {x!r}.")
     if not (_is_array_like(x) and jnp.issubdtype(_dtype_of(x), jnp.integer) and np.ndim(x) == 0):
         raise TypeError(f"{name} must be an integer scalar, got {x!r}.")
     if _dtype_of(x) == np.int32:
@@ -137,9 +139,17 @@ def _static_float(x: Any, name: str, warn_if_int: bool = False) -> float:
     if warn_if_int and _is_array_like(x) and not jnp.issubdtype(_dtype_of(x), jnp.floating):
         warnings.warn(f"Expected floating type for {name}, got {_dtype_of(x)}", stacklevel=4)
     try:
-        return float(x)
+        return _float_or_inf(x)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a number, got {x!r}.") from None
+
+
+def _float_or_inf(x: Any) -> float:
+    """`float(x)`, an int too large for a float as +-inf (for the range checks to name)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
 
 
 def _register_state(*data_fields: str) -> Callable[[C], C]:
@@ -363,12 +373,15 @@ class DynamicLossScale(LossScale):
                 f"min_loss_scale={lo}, max_loss_scale={hi}."
             )
         set_("min_loss_scale", lo)
-        set_("max_loss_scale", hi)
+        # The scale is float32: a larger cap is float32's largest number.
+        set_("max_loss_scale", min(hi, _F32_MAX))
         hysteresis = self.hysteresis
         if not isinstance(hysteresis, numbers.Integral) or isinstance(hysteresis, (bool, np.bool_)):
             raise TypeError(f"hysteresis must be an integer >= 1, got {hysteresis!r}.")
-        if hysteresis < 1:
-            raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}.")
+        if not 1 <= hysteresis <= _INT32_MAX:  # Overflows are counted in int32.
+            raise ValueError(
+                f"hysteresis must be an integer in [1, {_INT32_MAX}], got {hysteresis!r}."
+            )
         hysteresis = int(hysteresis)
         set_("hysteresis", hysteresis)
         if self.overflows is None:
@@ -392,8 +405,15 @@ class DynamicLossScale(LossScale):
                 )
         if _is_concrete_scalar(given_scale):
             scale = float(given_scale)
+            # `adjust` never takes the scale below float32's smallest normal
+            # number: below it, unscaling would overflow every gradient.
+            if scale < _TINY:
+                raise ValueError(
+                    f"loss_scale must be at least float32's smallest normal number "
+                    f"{_TINY:g}, got {scale}."
+                )
             # In float32, as `adjust` floors and caps it (0.7 is 0.69999999 there).
-            if not np.float32(lo) <= np.float32(scale) <= np.float32(hi):
+            if not np.float32(lo) <= np.float32(scale) <= np.float32(self.max_loss_scale):
                 raise ValueError(
                     f"loss_scale={scale} is outside [min_loss_scale, "
                     f"max_loss_scale] = [{lo}, {hi}]."
@@ -438,16 +458,16 @@ class ExpectedScalarError(ValueError, AssertionError):
 
 
 def _check_bool_scalar(pred: Any, name: str) -> None:
+    scalar = False
     try:
         got = f"shape {np.shape(pred)} dtype {_dtype_of(pred)}"
-        ok = np.shape(pred) == () and _dtype_of(pred) == np.bool_
+        scalar = np.shape(pred) == ()
+        ok = scalar and _dtype_of(pred) == np.bool_
     except Exception:  # Not array-like at all: a string, an object.
         got, ok = repr(pred), False
     if not ok:
-        raise ExpectedScalarError(
-            f"{name}: expected boolean scalar, got {got}. "
-            "Reduce it first, e.g. with `all_finite(grads)`."
-        )
+        hint = "" if scalar else " Reduce it first, e.g. with `all_finite(grads)`."
+        raise ExpectedScalarError(f"{name}: expected boolean scalar, got {got}.{hint}")
 
 
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:

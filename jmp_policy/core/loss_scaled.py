@@ -60,7 +60,8 @@ def loss_scaled(
     """Wraps an optimizer for gradients of a loss scaled by a `LossScale`.
 
     `update` receives the gradients of `loss_scale.scale(loss)`. It divides
-    them by the scale (in float32), checks they are all finite and only then
+    them by the scale (in float32; the updates and the inner state leave in
+    the dtypes the gradients and the state came in), checks they are all finite and only then
     lets `inner` see them, so clipping, weight decay, accumulation and
     schedules inside `inner` work on true gradients. On a non-finite step it
     returns zero updates and keeps `inner`'s state bit for bit (schedules do
@@ -108,9 +109,11 @@ def loss_scaled(
             f"got {inner!r}{hint}."
         )
     if not isinstance(loss_scale, LossScale):
+        # DeepMind's jmp has classes of the same names: say whose they are.
+        of = type(loss_scale).__module__.split(".")[0]
         raise TypeError(
-            "loss_scale must be a NoOpLossScale, StaticLossScale or "
-            f"DynamicLossScale, got {loss_scale!r}."
+            "loss_scale must be jmp_policy's NoOpLossScale, StaticLossScale or "
+            f"DynamicLossScale, got {loss_scale!r} (a {of}.{type(loss_scale).__qualname__})."
         )
     inner = optax.with_extra_args_support(inner)
 
@@ -131,12 +134,15 @@ def loss_scaled(
                 f"this transformation's init (or a previous update), got a "
                 f"{type(state).__name__}: {_short_repr(state)}."
             )
+        given = grads
         grads = unscale_exactly(state.loss_scale, grads)
         finite = all_finite(grads, axis_name=axis_name)
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
-        # Half parameters get float32 gradients (unscaling is in float32), from
-        # which optax computes float32 moments: store them as they were.
+        # Half gradients are unscaled to float32, from which optax computes
+        # float32 moments and updates: both leave in the dtypes they came in,
+        # as without the wrapper (`eqx.apply_updates` would promote the parameters).
         inner_state = jax.tree.map(_as_dtype_of, inner_state, state.inner_state)
+        updates = _as_dtypes_of(updates, given)
         # -0.0, not 0.0: p + (-0.0) == p bit for bit, signed zeros included.
         with jax.named_scope("jmp_policy_skip_step"):
             skip_updates = jax.tree.map(lambda u: jnp.full_like(u, -0.0), updates)
@@ -172,6 +178,20 @@ def _as_dtype_of(new: Any, old: Any) -> Any:
     return new
 
 
+def _as_dtypes_of(updates: Any, grads: Any) -> Any:
+    """`updates` in the gradients' floating dtypes, where the two trees match."""
+    try:
+        return jax.tree.map(
+            lambda u, g: _as_dtype_of(u, g) if _is_float(u) and _is_float(g) else u, updates, grads
+        )
+    except ValueError:  # Trees of other structures (an inner optimizer's own): as they are.
+        return updates
+
+
+def _is_float(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
 def get_loss_scale(opt_state: Any) -> LossScale:
     """Returns the current `LossScale` found anywhere in an optax state.
 
@@ -188,11 +208,13 @@ def get_loss_scale(opt_state: Any) -> LossScale:
     >>> jmp.get_loss_scale(tx.init({"w": jnp.ones(2)}))
     StaticLossScale(loss_scale=8.0)
     """
-    found = [
-        s.loss_scale
-        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaledState))
-        if isinstance(s, LossScaledState)
-    ]
+    found = []
+    pending = [opt_state]
+    while pending:  # A LossScaledState's inner state may hold another (a wrapper wrapped).
+        for s in jax.tree.leaves(pending.pop(), is_leaf=lambda x: isinstance(x, LossScaledState)):
+            if isinstance(s, LossScaledState):
+                found.append(s.loss_scale)
+                pending.append(s.inner_state)
     if len(found) != 1:
         raise ValueError(
             f"get_loss_scale expects an optimizer state holding exactly one "

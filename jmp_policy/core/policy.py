@@ -222,8 +222,10 @@ def _cast_floating_to(tree: T, dtype: jax.typing.DTypeLike) -> T:
     def cast(x):
         if not _is_float_array(x):
             return x
-        if x.dtype == dtype and not _is_weak(x):
-            return x  # Already right: no convert op in the traced program.
+        if x.dtype == dtype and not _is_weak(x) and not isinstance(x, np.ndarray):
+            # Already right: no convert op in the traced program. (A numpy
+            # array is mutable: the caller gets a copy, as from jmp's `astype`.)
+            return x
         # jmp's `astype`: a weakly typed leaf comes back strongly typed even in
         # its own dtype, so `bf16_array * leaf` promotes as it does with jmp.
         return x.astype(dtype)
@@ -451,7 +453,7 @@ def _parse_matmul(value: str) -> tuple[np.dtype, str]:
         ) from None
 
 
-def get_policy(spec: str | Policy) -> Policy:
+def get_policy(policy_name: str | Policy) -> Policy:
     """Parses a policy from a spec string (jmp's grammar, plus presets).
 
     A spec is a dtype name (all three dtypes), a preset (`mixed_bfloat16`,
@@ -470,7 +472,8 @@ def get_policy(spec: str | Policy) -> Policy:
     unchanged.
 
     Args:
-      spec: the spec string, e.g. `"p=f32,c=bf16,o=f32"`, or a `Policy`.
+      policy_name: the spec string, e.g. `"p=f32,c=bf16,o=f32"`, or a
+        `Policy` (jmp's name for the argument).
 
     Returns:
       The `Policy`.
@@ -478,7 +481,7 @@ def get_policy(spec: str | Policy) -> Policy:
     Raises:
       ValueError: quoting the bad part, if the spec cannot be parsed or
         gives a dtype twice (`"p=f32,params=bf16"`).
-      TypeError: if `spec` is neither a string nor a `Policy`.
+      TypeError: if `policy_name` is neither a string nor a `Policy`.
 
     >>> import jmp_policy as jmp
     >>> str(jmp.get_policy("c=bf16"))
@@ -495,6 +498,7 @@ def get_policy(spec: str | Policy) -> Policy:
     >>> str(jmp.get_policy("p=f32,c=bf16,o=f32,m=bf16,r=f32"))
     'p=full,c=bf16,o=full,m=bf16,r=full'
     """
+    spec = policy_name
     if isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str):
