@@ -9,6 +9,7 @@ checks run `jax.eval_shape` (nothing compiles); the Equinox cases are in
 test_equinox.py.
 """
 
+import functools
 import re
 from typing import NamedTuple
 
@@ -258,6 +259,38 @@ def test_collections_an_apply_inside_returns_are_state(front_end, how):
     # A value computed from them is a result.
     doubled = transform(lambda v, x: jax.tree.map(lambda a: a * 2, fn(v, x)[1]), HALF_OUT)
     assert dtypes(jax.jit(doubled)(variables, x)) == [BF16] * 3
+
+
+class _KeepsItsResult(nn.Module):
+    """Returns a value it also sows and caches: a result there, state here."""
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Dense(3)(x)
+        self.sow("intermediates", "y", y)
+        self.variable("cache", "last", jnp.zeros, y.shape, BF16).value = y
+        return y
+
+
+@pytest.mark.parametrize("front_end", ["with_policy", "autocast"])
+def test_a_result_also_kept_in_a_collection_is_still_a_result(front_end):
+    transform = jmp.with_policy if front_end == "with_policy" else autocast
+    x = jnp.ones((2, 4), F32)
+    model = _KeepsItsResult()
+    variables = model.init(jax.random.key(0), x)
+    mutable = ["intermediates", "cache"]
+    apply = jax.jit(transform(functools.partial(model.apply, mutable=mutable), "mixed_bfloat16"))
+    y, updates = apply(variables, x)
+    assert y.dtype == F32  # The output dtype, as without `mutable`.
+    assert updates["cache"]["last"].dtype == F32  # As it came in (init wrote f32).
+    # An outer model's result that Flax captures from an inner layer.
+    outer = nn.Sequential([nn.Dense(8), nn.Dense(3)])
+    variables = outer.init(jax.random.key(0), x)
+    captured = functools.partial(
+        outer.apply, capture_intermediates=True, mutable=["intermediates"]
+    )  # fmt: skip
+    y, _ = jax.jit(transform(captured, "mixed_bfloat16"))(variables, x)
+    assert y.dtype == F32
 
 
 # One rule for every front end: linen's `with_policy`, `jmp_policy.nnx` and

@@ -143,12 +143,13 @@ class _Declared:
 
     def __init__(self, inputs: Sequence[Any], dtypes: Sequence[np.dtype]) -> None:
         self.inputs = {id(x): (x, d) for x, d in zip(inputs, dtypes)}
-        self.kept: dict[int, tuple[Any, np.dtype]] = {}
+        self.kept: dict[int, tuple[Any, np.dtype | str]] = {}
 
     def dtype_given(self, x: Any) -> np.dtype:
         return self.inputs[id(x)][1] if id(x) in self.inputs else x.dtype
 
-    def kept_dtype(self, x: Any) -> np.dtype | None:
+    def kept_dtype(self, x: Any) -> np.dtype | str | None:
+        """The dtype declared state `x` keeps, `AS_MADE`, or None (not state)."""
         value, dtype = self.kept.get(id(x), (None, None))
         return dtype if value is x else None
 
@@ -160,10 +161,16 @@ _DECLARED: contextvars.ContextVar[_Declared | None] = contextvars.ContextVar(
 )
 
 
+# Declared state without a variable it came in as: its dtype as the engine makes it.
+AS_MADE = "as made"
+
+
 def declare_state(made: Any, given: Any = None) -> None:
     """Says that the arrays of `made`, values of the program being traced, are
     state: returned by it, each keeps the dtype of `given`'s leaf at its path
-    (the variable as it came in), else its own. A no-op outside a traced call."""
+    (the variable as it came in), else the dtype the engine makes it in (a
+    sown value, as the model's own half config sows it). A no-op outside a
+    traced call."""
     declared = _DECLARED.get()
     if declared is None:
         return
@@ -175,7 +182,13 @@ def declare_state(made: Any, given: Any = None) -> None:
     for path, x in jax.tree_util.tree_leaves_with_path(made):
         if is_float(x):
             for value in ji.primals(x):
-                declared.kept[id(value)] = (value, dtypes.get(path, x.dtype))
+                declared.kept[id(value)] = (value, dtypes.get(path, AS_MADE))
+
+
+def is_declared_state(x: Any) -> bool:
+    """Whether `x`, a value of the program being traced, was declared state."""
+    declared = _DECLARED.get()
+    return declared is not None and declared.kept_dtype(x) is not None
 
 
 @contextlib.contextmanager
@@ -229,11 +242,15 @@ def flow_of(
     values: Sequence[Any],
     sources: list[Sources],
     outs: Sequence[Any],
-    declared: Sequence[np.dtype | None] = (),
+    declared: Sequence[np.dtype | str | None] = (),
 ) -> Flow:
     """The `Flow` of a program run on `values` that returned `outs`, with
     `buffer_sources`, and the dtype declared for each result as it was traced."""
-    kept = {id(out): d for out, d in zip(outs, declared) if d is not None and is_float(out)}
+    kept = {
+        id(out): out.dtype if d is AS_MADE else d
+        for out, d in zip(outs, declared)
+        if d is not None and is_float(out)
+    }
     found = {}
     for out, positions in zip(outs, sources):
         if not positions or not is_float(out):

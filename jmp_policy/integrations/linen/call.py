@@ -17,10 +17,11 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy.core.policy import Policy
-from jmp_policy.engine.data_flow import declare_state
+from jmp_policy.engine.data_flow import declare_state, is_declared_state
 from jmp_policy.engine.decision import policy_products
 from jmp_policy.engine.residuals import traced_for
 from jmp_policy.integrations.linen import flax_internals
@@ -121,13 +122,20 @@ def remember_given(module: nn.Module, given: dict[int, Any]) -> None:
         given[id(root)] = (root, jax.tree.map(lambda x: x, module.variables))
 
 
-def declare_collections(module: nn.Module, given: dict[int, Any]) -> None:
+def declare_collections(module: nn.Module, given: dict[int, Any], out: Any) -> Any:
     """At the end of a model's call (a root scope's), its mutable collections are
     state: what `apply` hands back keeps the dtypes it came in (`declare_state`),
-    also where a function around `apply` returns it."""
+    also where a function around `apply` returns it.
+
+    Returns the call's result `out`, where it is also in a collection (sown,
+    captured, cached) as a copy: state is told by identity, and the result
+    stays a result.
+    """
     root = module.scope
-    if root is not None and root.parent is None:
-        declare_state(root.mutable_variables(), given.get(id(root), (None, None))[1])
+    if root is None or root.parent is not None:
+        return out
+    declare_state(root.mutable_variables(), given.get(id(root), (None, None))[1])
+    return jax.tree.map(lambda x: jnp.array(x, copy=True) if is_declared_state(x) else x, out)
 
 
 def recording_interceptor() -> Callable:
@@ -138,7 +146,7 @@ def recording_interceptor() -> Callable:
         remember_given(context.module, given)
         out = next_fun(*args, **kwargs)
         if context.method_name == "__call__" or not context.method_name.startswith("__"):
-            declare_collections(context.module, given)
+            out = declare_collections(context.module, given, out)
         return out
 
     return interceptor

@@ -117,7 +117,7 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
                 next_fun = _rematerialised(next_fun, call.norm_programs)
             with _promotion(module), scope:
                 out = next_fun(*args, **kwargs)
-            declare_collections(module, call.given)
+            out = declare_collections(module, call.given, out)
             loop = _carry_loop(module)
             return out if loop is None else _restore_carry(loop, given, out)
         finally:
