@@ -245,3 +245,22 @@ def test_the_cpu_form_can_be_turned_off_by_the_environment():
     assert cpu_bf16_dot_workaround({}) is True  # The default, on every CPU.
     assert cpu_bf16_dot_workaround({"JMP_POLICY_CPU_BF16_DOT_WORKAROUND": "0"}) is False
     assert cpu_bf16_dot_workaround({"JMP_POLICY_CPU_BF16_DOT_WORKAROUND": "1"}) is True
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_half_operands_asking_for_a_float32_result_take_the_cpu_form_too(policy):
+    # The layers' dtype fields (`PolicyModule`) make the operands half before
+    # the engine sees them; `jax.nn.dot_product_attention` asks for a float32
+    # result (F16_F16_F32, which XLA:CPU refuses): the CPU form runs it.
+    from flax import nnx
+
+    import jmp_policy.nnx
+
+    mha = nnx.MultiHeadAttention(
+        num_heads=2, in_features=8, qkv_features=8, decode=False, rngs=nnx.Rngs(0)
+    )
+    x = jax.random.normal(jax.random.key(0), (2, 3, 8))
+    with jax.numpy_dtype_promotion("standard"):  # Flax's attention mixes its dtypes.
+        y = jax.jit(lambda m, x: m(x))(jmp_policy.nnx.PolicyModule(mha, policy), x)
+        assert y.dtype == F32
+        np.testing.assert_allclose(y, mha(x), atol=3e-2)

@@ -31,6 +31,7 @@ from jmp_policy.core.dtypes import F32 as _F32
 from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, cast, is_complex, is_float, widest
 from jmp_policy.engine.data_flow import MOVES_DATA, buffer_sources, declarations, flow_of
 from jmp_policy.engine.decision import Rules, matmul_rules
+from jmp_policy.engine.products import cpu_form
 from jmp_policy.engine.products.fp8 import fp8_product
 from jmp_policy.engine.products.half import (
     accumulating_dot,
@@ -321,10 +322,14 @@ def _product_rule(eqn, invals, rules):
     if out is not None:
         return out
     lhs, rhs = invals
-    if rules.only_products and all(x.dtype == c or x.dtype.itemsize < c.itemsize for x in invals):
-        # Operands in the compute dtype (or narrower) already: as written.
-        return ji.bind(eqn, _as_original(eqn, invals))
     out_dtype = eqn.outvars[0].aval.dtype
+    if rules.only_products and all(x.dtype == c or x.dtype.itemsize < c.itemsize for x in invals):
+        # Operands in the compute dtype (or narrower) already: as written,
+        # unless half operands ask for a float32 result on the CPU platform,
+        # which takes the form XLA:CPU runs (`cpu_form`).
+        widened = all(x.dtype == c for x in invals) and np.dtype(out_dtype).itemsize > c.itemsize
+        if not (widened and cpu_form.in_use()):
+            return ji.bind(eqn, _as_original(eqn, invals))
     if out_dtype == c:
         # The program asked for a half result: JAX's own backward is half too.
         return ji.bind(eqn, [cast(lhs, c), cast(rhs, c)])
