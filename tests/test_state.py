@@ -156,6 +156,45 @@ def test_a_loop_body_keeps_its_carrys_dtypes():
     assert seen == [(BF16, BF16)]  # The output dtype, not the carry's.
 
 
+@pytest.mark.parametrize("front_end", ["with_policy", "autocast"])
+def test_a_body_with_arguments_bound_beforehand_is_the_loops_body(front_end):
+    # `lax.scan(functools.partial(apply, variables), ...)`: the loop calls it,
+    # its trailing arguments are the loop's; the bound ones are constants.
+    transform = jmp.with_policy if front_end == "with_policy" else autocast
+    cell = nn.LSTMCell(4)
+    c0 = cell.initialize_carry(jax.random.key(0), (2, 3))
+    variables = cell.init(jax.random.key(1), c0, jnp.ones((2, 3)))
+    xs = jnp.ones((5, 2, 3), F32)
+    (c, h), ys = lax.scan(functools.partial(transform(cell.apply, HALF_OUT), variables), c0, xs)
+    assert (c.dtype, h.dtype, ys.dtype) == (F32, F32, BF16)
+    # A plain function too, with a bound Python number.
+    body = transform(lambda scale, h, x: (jnp.tanh(h) * scale + x, h), HALF_OUT)
+    h, _ = lax.scan(functools.partial(body, 2.0), jnp.zeros((2, 3), F32), xs)
+    assert h.dtype == F32
+
+
+def test_statistics_passed_apart_from_the_parameters_are_state():
+    # `lambda params, stats, x: apply({"params": params, "batch_stats": stats}, ...)`:
+    # the program gives `stats` to the model as its variables, so they are
+    # neither cast to compute on the way in nor made bf16 on the way out.
+    model = nn.BatchNorm(use_running_average=False)
+    x = jax.random.normal(jax.random.key(0), (8, 4), F32) * 3
+    variables = model.init(jax.random.key(1), x)
+
+    def step(params, stats, x):
+        return model.apply({"params": params, "batch_stats": stats}, x, mutable=["batch_stats"])
+
+    _, updates = jax.jit(jmp.with_policy(step, HALF_OUT))(
+        variables["params"], variables["batch_stats"], x
+    )
+    _, exact = step(variables["params"], variables["batch_stats"], x)
+    assert dtypes(updates) == [F32, F32]
+    # Computed in bf16 but from float32 statistics: as close as autocast's.
+    np.testing.assert_allclose(
+        updates["batch_stats"]["var"], exact["batch_stats"]["var"], rtol=2e-3
+    )
+
+
 def test_an_equinox_gru_scan_body_keeps_its_float32_carry():
     cell = eqx.nn.GRUCell(3, 4, key=jax.random.key(0))
 

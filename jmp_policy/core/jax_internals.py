@@ -381,12 +381,14 @@ def loop_body_carry(args: Sequence[Any]) -> tuple[str, Any] | None:
     """`(loop kind, carry)` if JAX is tracing a function of `args` as a loop's body.
 
     That is, the innermost trace is a `lax.scan`, `lax.while_loop` or
-    `lax.fori_loop` body's (its debug info says which) and `args` are
-    exactly that trace's inputs: the carry is the loop's, whose type the
-    body must keep. None otherwise, or where JAX no longer says it (then
-    the loop's own type check speaks).
+    `lax.fori_loop` body's (its debug info says which) and `args`, after
+    any leading ones bound beforehand (`functools.partial(f, variables)`),
+    are exactly that trace's inputs: the carry is the loop's, whose type
+    the body must keep. None otherwise, or where JAX no longer says it
+    (then the loop's own type check speaks).
     """
-    leaves = jax.tree.leaves(args)
+    per_arg = [jax.tree.leaves(a) for a in args]
+    leaves = [x for arg in per_arg for x in arg]
     try:
         trace = jex.core.find_top_trace(leaves)
         frame = trace.frame
@@ -396,10 +398,14 @@ def loop_body_carry(args: Sequence[Any]) -> tuple[str, Any] | None:
         invars = list(frame.invars)
     except AttributeError:
         return None
-    if kind is None or not leaves or given != invars:
+    if kind is None or not invars:
+        return None
+    bound = len(given) - len(invars)  # Leaves of the leading arguments bound beforehand.
+    first = next((i for i in range(len(args) + 1) if sum(map(len, per_arg[:i])) == bound), None)
+    if first is None or given[bound:] != invars or any(v is not None for v in given[:bound]):
         return None
     name, position = kind
-    return (name, args[position]) if position < len(args) else None
+    return (name, args[first + position]) if first + position < len(args) else None
 
 
 _PLAIN = (bool, int, float, complex, str, type, np.dtype, enum.Enum, type(None), np.generic)

@@ -8,6 +8,7 @@ variables were given in (`apply_keeping_variables`).
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -309,7 +310,9 @@ def with_policy(
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
+        caller = sys._getframe(1)  # A loop calls its body from JAX's code (`Flow.called_with`).
         args, kwargs = (*bound_args, *args), {**bound_kwargs, **kwargs}
+        positional = args
         # The first argument is the variables (apply) or the PRNG key (init):
         # variables keep their dtypes; modules cast their parameters.
         first, args, kwargs = _split_first(entry, args, kwargs)
@@ -358,7 +361,7 @@ def with_policy(
         if _returns_collections(kwargs):
             out, collections = result
             return to_output(out, flow), collections_as_given(collections, first)
-        return to_output(result, flow)
+        return to_output(result, flow.called_with(positional, caller))
 
     return wrapped
 

@@ -1,13 +1,15 @@
 """`with_policy` of a plain function (a `lambda` around `apply`), and its guess of Flax variables.
 
 Its floating arguments are cast to compute, except those that look like
-Flax variables (a mapping with `"params"`); the call checks that a model was
-applied to each of those.
+Flax variables (a mapping with `"params"`), where the call checks that a model
+was applied to each, and those the program gives a model as its variables
+(statistics passed apart from the parameters), seen as it is traced.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,25 +37,39 @@ def _plain_function(
     keep = _keeper(fn, keep_inputs)
     op_rules = product_rules(policy, scaled_scopes=scaled)
 
-    def call_fn(args: tuple, kwargs: dict) -> Any:
+    def call_fn(args: tuple, kwargs: dict, uncast: frozenset, cast_ids: dict) -> Any:
         # The function's floating arguments are its inputs, except Flax
         # variables (a mapping with "params"): modules cast their parameters
         # themselves, and `batch_stats` stay float32. Cast inside the traced
         # program, what comes back from an argument is seen to.
         variables = [k for k in (*range(len(args)), *kwargs) if _is_variables((args, kwargs), k)]
-        keeps = lambda k: keep(k) or k in variables  # noqa: E731
+        keeps = lambda k: keep(k) or k in variables or k in uncast  # noqa: E731
         cast_args, cast_kwargs = casting.cast_inputs(policy, args, kwargs, keeps)
+        for k, value in (*enumerate(cast_args), *cast_kwargs.items()):
+            if not keeps(k):
+                cast_ids.update((id(x), k) for x in jax.tree.leaves(value))
         out = fn(*cast_args, **cast_kwargs)
         _check_bound_as_variables(variables, args, kwargs, _CALL.get())
         return out
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
+        caller = sys._getframe(1)  # A loop calls its body from JAX's code (`Flow.called_with`).
         _refuse_nnx_modules(args, kwargs)
-        call = _Call(frozenset(), rewrite=True, top=False)
-        with _calling(policy, call, interceptor, (args, kwargs) if scaled else ()):
-            out, flow = trace_and_eval(call_fn, (args, kwargs), op_rules, flow=True)
-        return to_output(out, flow)
+        uncast: frozenset = frozenset()
+        while True:
+            call = _Call(frozenset(), rewrite=True, top=False)
+            cast_ids: dict[int, int | str] = {}
+            run = functools.partial(call_fn, uncast=uncast, cast_ids=cast_ids)
+            with _calling(policy, call, interceptor, (args, kwargs) if scaled else ()):
+                out, flow = trace_and_eval(run, (args, kwargs), op_rules, flow=True)
+            # An argument the program gave a model as its variables (statistics
+            # passed apart from the parameters) is state: traced again, uncast.
+            given = set().union(*(_identity(v)[0] for _, v in call.given.values()))
+            variables = {k for i, k in cast_ids.items() if i in given} - uncast
+            if not variables:
+                return to_output(out, flow.called_with(args, caller))
+            uncast |= variables
 
     return wrapped
 
