@@ -246,8 +246,8 @@ def flow_of(
 ) -> Flow:
     """The `Flow` of a program run on `values` that returned `outs`, with
     `buffer_sources`, and the dtype declared for each result as it was traced."""
-    kept = {
-        id(out): out.dtype if d is AS_MADE else d
+    kept: dict[int, np.dtype] = {
+        id(out): np.dtype(out.dtype) if isinstance(d, str) else d  # `AS_MADE`
         for out, d in zip(outs, declared)
         if d is not None and is_float(out)
     }
