@@ -75,6 +75,9 @@ def test_fp4_takes_nvfp4_and_scalings_need_their_dtype():
     assert jmp.get_policy("mixed_mxfp8").with_matmul_dtype("nvfp4") == jmp.get_policy("mixed_nvfp4")
     with pytest.raises(ValueError, match=r"'nvfp4' needs the matmul dtype float4_e2m1fn"):
         jmp.get_policy("mixed_float8").with_fp8_scaling("nvfp4")
+    # Asked for, "tensor" is not FP4's own recipe (the constructor's default is).
+    with pytest.raises(ValueError, match=r"float4_e2m1fn takes only 'nvfp4'"):
+        jmp.get_policy("mixed_nvfp4").with_fp8_scaling("tensor")
     with pytest.raises(ValueError, match=r"'mxfp8' needs the matmul dtype float8_e4m3fn"):
         jmp.Policy(F32, BF16, F32, jnp.float4_e2m1fn, fp8_scaling="mxfp8")
     with pytest.raises(ValueError, match=r"Unknown matmul dtype 'fp4'.*mxfp8, nvfp4"):

@@ -508,3 +508,22 @@ def test_init_and_apply_on_inputs_shorter_than_a_block(policy):
     variables = jmp.with_policy(model.init, policy)(jax.random.key(0), x)
     out = jax.jit(jmp.with_policy(model.apply, policy))(variables, jnp.ones((2, 3, 8)))
     np.testing.assert_array_equal(out, jnp.ones((2, 3, 8)))
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "rowwise", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("size", [2e-36, 1e35], ids=["tiny", "huge"])
+def test_products_far_from_one_keep_their_value(scaling, size):
+    # Tiny: a scale below float32's normal range (flushed to zero on XLA:CPU)
+    # read as an all-zero tensor and gave 0. Huge: NVFP4's two tensor scales,
+    # one after the other, overflowed before the second brought it back.
+    dims = (((1,), (0,)), ((), ()))
+    x = jax.random.normal(jax.random.key(0), (4, 32)) * size
+    w = jax.random.normal(jax.random.key(1), (32, 3))
+    exact = lax.dot_general(x, w, dims, precision="highest")
+    y, vjp = jax.vjp(lambda a, b: jmp.fp8_dot_general(a, b, dims, scaling=scaling), x, w)
+    g = jax.random.normal(jax.random.key(2), y.shape)
+    gx, gw = vjp(g)  # The weight gradient takes the operand's size.
+    for got, want in ((y, exact), (gx, g @ w.T), (gw, x.T @ g)):
+        # Relative to the whole (NVFP4 rounds single elements coarsely).
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.25

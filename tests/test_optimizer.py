@@ -399,6 +399,17 @@ def test_get_loss_scale_errors():
         jmp.loss_scaled(optax.sgd(0.1), 2.0**15)
 
 
+def test_half_gradients_of_float32_parameters_give_float32_updates():
+    # As plain optax: Adam's moments are float32, made from the parameters.
+    params = {"w": jnp.ones(3)}
+    tx = jmp.loss_scaled(optax.adam(1e-3), jmp.DynamicLossScale(2.0**4))
+    updates, _ = tx.update({"w": jnp.ones(3, jnp.bfloat16)}, tx.init(params), params)
+    plain, _ = optax.adam(1e-3).update(
+        {"w": jnp.ones(3, jnp.bfloat16)}, optax.adam(1e-3).init(params), params
+    )
+    assert updates["w"].dtype == plain["w"].dtype == jnp.float32
+
+
 def test_a_loss_scale_of_another_library_is_named_as_such():
     class DynamicLossScale:  # As DeepMind's jmp names its own.
         pass

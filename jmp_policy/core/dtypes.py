@@ -51,6 +51,13 @@ def widest(dtypes: Iterable[np.dtype]) -> np.dtype:
     return wide
 
 
+def at_least_normal(amax: Any, v: Any) -> Any:
+    """`v` (float32, derived from `amax`), no smaller than float32's smallest normal
+    number where `amax > 0`: a subnormal scale, which XLA:CPU flushes to zero,
+    would read as an all-zero tensor and round a tiny one to zeros."""
+    return jnp.where(amax > 0, jnp.maximum(v, np.float32(np.finfo(np.float32).tiny)), v)
+
+
 def pow2_at_least(v: Any) -> Any:
     """The smallest power of two >= `v` (a float32 array, >= 0): exact to divide by.
     1 where `v` is 0; `v` itself where it is not finite (inf, NaN), so a scale

@@ -466,7 +466,11 @@ def _check_bool_scalar(pred: Any, name: str) -> None:
     except Exception:  # Not array-like at all: a string, an object.
         got, ok = repr(pred), False
     if not ok:
-        hint = "" if scalar else " Reduce it first, e.g. with `all_finite(grads)`."
+        hint = (
+            " Pass a boolean, e.g. `all_finite(grads)`."
+            if scalar
+            else " Reduce it first, e.g. with `all_finite(grads)`."
+        )
         raise ExpectedScalarError(f"{name}: expected boolean scalar, got {got}.{hint}")
 
 

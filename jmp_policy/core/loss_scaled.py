@@ -139,10 +139,10 @@ def loss_scaled(
         finite = all_finite(grads, axis_name=axis_name)
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
         # Half gradients are unscaled to float32, from which optax computes
-        # float32 moments and updates: both leave in the dtypes they came in,
-        # as without the wrapper (`eqx.apply_updates` would promote the parameters).
+        # float32 moments and updates: both leave in the dtypes they would
+        # have without the wrapper (`eqx.apply_updates` would promote half parameters).
         inner_state = jax.tree.map(_as_dtype_of, inner_state, state.inner_state)
-        updates = _as_dtypes_of(updates, given)
+        updates = _as_dtypes_of(updates, given, params)
         # -0.0, not 0.0: p + (-0.0) == p bit for bit, signed zeros included.
         with jax.named_scope("jmp_policy_skip_step"):
             skip_updates = jax.tree.map(lambda u: jnp.full_like(u, -0.0), updates)
@@ -178,13 +178,21 @@ def _as_dtype_of(new: Any, old: Any) -> Any:
     return new
 
 
-def _as_dtypes_of(updates: Any, grads: Any) -> Any:
-    """`updates` in the gradients' floating dtypes, where the two trees match."""
+def _as_dtypes_of(updates: Any, grads: Any, params: Any) -> Any:
+    """`updates` in the dtypes optax gives without the wrapper: the gradients'
+    floating dtypes, promoted with the parameters' where they are given (an
+    optimizer's state is made in theirs). Trees of other structures as they are."""
+    if params is None:
+        params = grads
+
+    def as_plain(u: Any, g: Any, p: Any) -> Any:
+        if not (_is_float(u) and _is_float(g) and _is_float(p)):
+            return u
+        return u.astype(jnp.promote_types(g.dtype, p.dtype)) if u.dtype != g.dtype else u
+
     try:
-        return jax.tree.map(
-            lambda u, g: _as_dtype_of(u, g) if _is_float(u) and _is_float(g) else u, updates, grads
-        )
-    except ValueError:  # Trees of other structures (an inner optimizer's own): as they are.
+        return jax.tree.map(as_plain, updates, grads, params)
+    except ValueError:  # An inner optimizer's own structure: as it is.
         return updates
 
 

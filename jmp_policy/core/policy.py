@@ -414,7 +414,19 @@ class Policy:
         >>> import jmp_policy as jmp
         >>> str(jmp.get_policy("mixed_float8").with_fp8_scaling("rowwise"))
         'p=full,c=bf16,o=full,m=f8_rowwise'
+
+        Raises:
+          ValueError: if the matmul dtype does not take `fp8_scaling` (FP4
+            takes only `"nvfp4"`; `with_matmul_dtype("f8")` changes the dtype).
         """
+        accepted = scalings_of(self.matmul_dtype)
+        # The constructor reads "tensor" as not given (FP4's own recipe then): asked for, it is.
+        if fp8_scaling == "tensor" and "tensor" not in accepted:
+            raise ValueError(
+                f"fp8_scaling='tensor': the matmul dtype {np.dtype(self.matmul_dtype).name} "
+                f"takes only {', '.join(map(repr, accepted))}; for FP8 per tensor, "
+                "with_matmul_dtype('f8')."
+            )
         return dataclasses.replace(self, fp8_scaling=fp8_scaling)
 
     def __str__(self) -> str:

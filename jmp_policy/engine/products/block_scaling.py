@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 
 from jmp_policy.core import jax_internals as ji
-from jmp_policy.core.dtypes import F32, cast, pow2_at_least, widest
+from jmp_policy.core.dtypes import F32, at_least_normal, cast, pow2_at_least, widest
 from jmp_policy.engine.products import cpu_form
 from jmp_policy.engine.products.half import decided, dot_product, shared_factory
 from jmp_policy.engine.residuals import to_be_saved_quantized
@@ -156,7 +156,8 @@ def quantize_blocks(
     blocks = x.reshape(*x.shape[:-1], -1, fmt.block)
     amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
     if fmt.tensor_scale:
-        tensor_scale = jnp.max(amax, initial=0.0) / np.float32(fmt.element_max * 448)
+        largest = jnp.max(amax, initial=0.0)
+        tensor_scale = at_least_normal(largest, largest / np.float32(fmt.element_max * 448))
         tensor_scale = jnp.where(tensor_scale == 0, np.float32(1), tensor_scale)
         scales = jnp.minimum(amax / np.float32(fmt.element_max) / tensor_scale, 448).astype(E4M3)
         step = scales.astype(F32) * tensor_scale
@@ -164,7 +165,7 @@ def quantize_blocks(
         scaled = jnp.where(step == 0, 0, blocks / jnp.where(step == 0, 1, step))
     else:
         tensor_scale = jnp.ones((), F32)
-        step = pow2_at_least(amax / np.float32(fmt.element_max))
+        step = pow2_at_least(at_least_normal(amax, amax / np.float32(fmt.element_max)))
         scales, scaled = _to_e8m0(step), blocks / step
     scaled = jnp.clip(scaled, -fmt.element_max, fmt.element_max)
     if stochastic:
@@ -187,8 +188,16 @@ def block_matmul(a: Blocks, b: Blocks, results: np.dtype = F32) -> jax.Array:
         cpu=functools.partial(_emulated_matmul, results=results),
         default=functools.partial(_scaled_matmul, results=results),
     )  # fmt: skip
-    # One scale after the other: their product could underflow on its own.
-    return out.astype(F32) * a.tensor_scale * b.tensor_scale
+    return _times_tensor_scales(out.astype(F32), a.tensor_scale, b.tensor_scale)
+
+
+def _times_tensor_scales(out: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`out * a * b`: by the scales' product where it is a normal float32 number,
+    else one after the other, so that neither an underflowing product nor an
+    overflowing `out * a` loses a result in float32's range."""
+    both = a * b
+    fits = (both >= np.float32(np.finfo(np.float32).tiny)) & jnp.isfinite(both)
+    return jnp.where(fits, out * both, out * a * b)
 
 
 def _scaled_matmul(a, b, a_scales, b_scales, *, results):

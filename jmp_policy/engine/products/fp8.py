@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 
 from jmp_policy.core import jax_internals as ji
-from jmp_policy.core.dtypes import F32, cast, is_float, pow2_at_least, widest
+from jmp_policy.core.dtypes import F32, at_least_normal, cast, is_float, pow2_at_least, widest
 from jmp_policy.core.policy import check_scaling
 from jmp_policy.engine.products import cpu_form
 from jmp_policy.engine.products.block_scaling import FORMATS, block_scaled_product
@@ -96,9 +96,9 @@ def fp8_scale(x: jax.Array, fp8_max: float, axes: Sequence[int] | None = None) -
     """
     x = lax.stop_gradient(x)
     # `initial=0`: the identity of a max of magnitudes, so an empty `x` has scale 1.
-    v = jnp.max(jnp.abs(x.astype(F32)), axis=None if axes is None else tuple(axes),
-                keepdims=axes is not None, initial=0.0) / np.float32(fp8_max)  # fmt: skip
-    return pow2_at_least(v)
+    amax = jnp.max(jnp.abs(x.astype(F32)), axis=None if axes is None else tuple(axes),
+                   keepdims=axes is not None, initial=0.0)  # fmt: skip
+    return pow2_at_least(at_least_normal(amax, amax / np.float32(fp8_max)))
 
 
 def fp8_quantize(x: jax.Array, scale: jax.Array, dtype: np.dtype, fp8_max: float) -> jax.Array:
