@@ -1869,6 +1869,17 @@ def test_init_draws_as_the_model_does_where_the_policy_would_draw_in_half():
     assert half.dtype == BF16 and bool((half == own.astype(BF16)).all())
 
 
+def test_init_draws_as_the_model_does_where_its_author_set_a_half_param_dtype():
+    # The policy's float32 draws would be other random values than the bf16 ones.
+    model = nn.Dense(4, param_dtype=BF16)
+    x = jnp.ones((1, 3), F32)
+    with jax.numpy_dtype_promotion("standard"):  # The plain model mixes bf16 and f32.
+        own = model.init(jax.random.key(0), x)["params"]["kernel"]
+        drawn = with_policy(model.init, "mixed_bfloat16")(jax.random.key(0), x)
+    drawn = drawn["params"]["kernel"]
+    assert drawn.dtype == F32 and bool((drawn == own.astype(F32)).all())
+
+
 def test_an_init_whose_own_form_cannot_run_is_said():
     class OnlyInHalf(nn.Module):
         dtype: Any = F32

@@ -635,6 +635,23 @@ def test_q_k_norm_keys_fit_the_values_cache_as_in_the_hand_written_config():
         assert err <= 1.5 * hand_err + 1e-3, (policy, err, hand_err)
 
 
+def test_a_float32_cache_under_a_half_policy_is_named_with_the_fix():
+    # Flax's `init_cache` makes float32 by default: lax's own error names neither.
+    mha = nnx.MultiHeadAttention(
+        num_heads=2, in_features=8, qkv_features=8, decode=True, rngs=nnx.Rngs(0)
+    )
+    mha.init_cache((1, 4, 8))
+    with pytest.raises(TypeError, match=r"cache variables 'cached_key' \(float32\).*init_cache"):
+        jnnx.PolicyModule(mha, "mixed_bfloat16")(jnp.ones((1, 1, 8)))
+    with pytest.raises(RuntimeError, match="mine"):  # The user's own error passes unchanged.
+        jnnx.PolicyModule(_Raises(), "mixed_bfloat16")(jnp.ones((1, 1, 8)))
+
+
+class _Raises(nnx.Module):
+    def __call__(self, x):
+        raise RuntimeError("mine")
+
+
 class _Normed(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         self.linear = nnx.Linear(4, 4, rngs=rngs)

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES
+from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, is_float
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
 from jmp_policy.core.policy import Policy, get_policy
@@ -452,6 +452,7 @@ class PolicyModule(nnx.Module):
             carry = isinstance(error, TypeError) and jax_internals.is_loop_carry_type_change(error)
             written = self._all_as_written if carry else self._as_written
             if not written:
+                _explain_cache_dtypes(error, self.module, self.policy)
                 raise
             out, flow = casting.run_as_written(
                 error, lambda: self._traced(args, kwargs, written, caller), self.module
@@ -645,3 +646,29 @@ def autocast_with_state(run: Callable, fn: Callable, args: tuple, kwargs: dict) 
     out, new_state = run(pure, (state, others), {})
     nnx.update(nodes, new_state)
     return out
+
+
+def _explain_cache_dtypes(error: Exception, module: nnx.Module, policy: Policy) -> None:
+    """Raises a `TypeError` naming the cache variables, if a dtype error may come from them.
+
+    Flax's `init_cache` makes a float32 cache by default; under a half policy
+    the layers write half keys and values into it, and `dynamic_update_slice`
+    fails with a message naming neither.
+    """
+    if not jax_internals.is_dtype_mismatch(error):
+        return  # The user's own error, or another of JAX's: it reaches the user unchanged.
+    c = np.dtype(policy.compute_dtype)
+    caches = jax.tree_util.tree_leaves_with_path(nnx.state(module, nnx.Cache))
+    mismatched = {
+        jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value"): str(x.dtype)
+        for path, x in caches
+        if is_float(x) and x.dtype != c
+    }
+    if mismatched:
+        names = ", ".join(f"{k!r} ({d})" for k, d in mismatched.items())
+        raise TypeError(
+            f"jmp_policy.nnx: the model computes in {c.name} under {policy}, and its cache "
+            f"variables {names} do not fit it (Flax's init_cache makes float32 ones by "
+            f"default): make them in {c.name}, e.g. init_cache(shape, dtype=jnp.{c.name}), "
+            "as the hand-written half-precision model would."
+        ) from error

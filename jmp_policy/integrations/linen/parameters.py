@@ -168,9 +168,11 @@ def _shapes_of(fn: Callable, args: tuple, kwargs: dict) -> Any:
 def _own_draws(target: Callable, entry: str, call: tuple[Any, tuple, dict], made: Any) -> Any:
     """The parameters `model.init` itself draws, where the policy's draws differ.
 
-    A parameter the model draws in its `dtype` (`self.param(..., self.dtype)`)
-    or in a half param dtype is drawn in half under the policy: its values
-    are the plain `init`'s, cast after. Only then is `init` run a second time;
+    A parameter the policy draws in another dtype than the plain `init` (half
+    where the model draws it in its `dtype`, `self.param(..., self.dtype)`, or
+    under a half param dtype; float32 where its author set a half
+    `param_dtype`) has other random values: it gets the plain `init`'s, cast
+    after. Only then is `init` run a second time;
     which parameters differ is read from an abstract plain `init`. Arguments
     only the policy's model takes (a half cache the float32 model would
     write float32 into) are given to it in float32.
@@ -204,7 +206,9 @@ def _own_draws(target: Callable, entry: str, call: tuple[Any, tuple, dict], made
             "init does (a shape or structure that follows a dtype), so its own draws "
             "cannot stand in for the policy's."
         )
-    if all(made_leaves[k].dtype.itemsize >= x.dtype.itemsize for k, x in own_leaves.items()):
+    # Drawn in another dtype (a wider one too: an author's half `param_dtype`
+    # under a float32 policy), a parameter's random values differ.
+    if all(made_leaves[k].dtype == x.dtype for k, x in own_leaves.items()):
         return made  # The same draws.
     return plain(*args, **kwargs)
 
