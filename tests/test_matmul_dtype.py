@@ -420,6 +420,11 @@ def test_fp8_dot_general_dtypes_and_fallbacks():
     # The FP8 operands go into the product directly.
     text = jax.jit(lambda x, w: jmp.fp8_dot_general(x, w, dims)).lower(x, w).as_text()
     assert dot_types(text) == {(("f8E4M3FN", "f8E4M3FN"), "f32"): 1}
+    # Drop-ins: the dtype lax gives, float16 with bfloat16 included.
+    f16 = jnp.ones((2, 3), jnp.float16)
+    for drop_in in (jmp.fp8_dot_general, jmp.half_dot_general):
+        for a, b in ((f16, w), (w.T, f16.T)):
+            assert drop_in(a, b, dims).dtype == jax.lax.dot_general(a, b, dims).dtype
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])

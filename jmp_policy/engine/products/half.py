@@ -252,18 +252,19 @@ _JVP_UNSUPPORTED = (
 )
 
 
-def _check_shapes(op: Callable, lhs: Any, rhs: Any, name: str) -> None:
-    """Runs `op`'s own shape checks on the operands' shapes, before the custom VJP.
+def _checked_dtype(op: Callable, lhs: Any, rhs: Any, name: str) -> np.dtype:
+    """`op`'s result dtype, its own shape checks run on the operands' shapes
+    before the custom VJP: the drop-ins give what `lax` gives.
 
     Inside the custom VJP a mismatch surfaces as a reshape error of the
     backward products; `lax` names the dimensions that do not fit.
     """
     try:
-        jax.eval_shape(
+        return jax.eval_shape(
             op,
             jax.ShapeDtypeStruct(np.shape(lhs), lhs.dtype),
             jax.ShapeDtypeStruct(np.shape(rhs), rhs.dtype),
-        )
+        ).dtype
     except (TypeError, ValueError) as e:  # The class lax raises, with its words.
         raise type(e)(
             f"{name}: lhs of shape {tuple(np.shape(lhs))} and rhs of shape "
@@ -289,23 +290,17 @@ def _half_compute_dtype(compute_dtype: Any, lhs: jax.Array, rhs: jax.Array) -> n
     return dtype
 
 
-def _result_dtype(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any) -> np.dtype:
-    if preferred_element_type is not None:
-        return np.dtype(preferred_element_type)
-    return widest([lhs.dtype, rhs.dtype])
-
-
 def float_dot_operands(
     lhs: Any, rhs: Any, dims: Any, precision: Any, preferred_element_type: Any, name: str
 ) -> tuple[jax.Array, jax.Array, np.dtype]:
     """A dot's floating operands as arrays, their shapes checked against `dims`
     (a `TypeError` or `ValueError` naming `name`), and the dot's result dtype."""
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    _check_shapes(
+    out_dtype = _checked_dtype(
         lambda a, b: lax.dot_general(a, b, dims, precision, preferred_element_type),
         lhs, rhs, name,
     )  # fmt: skip
-    return lhs, rhs, _result_dtype(lhs, rhs, preferred_element_type)
+    return lhs, rhs, out_dtype
 
 
 def half_dot_general(
@@ -324,8 +319,8 @@ def half_dot_general(
     A drop-in for `lax.dot_general` (same arguments and result dtype), e.g. for
     Flax's `nn.Dense(..., dot_general=half_dot_general)` or `nnx.Linear`.
     Floating operands are cast to `compute_dtype` and multiplied with float32
-    accumulation; the result takes `preferred_element_type`, or else the
-    operands' (widest) dtype. The half operands are what is saved for the
+    accumulation; the result takes the dtype `lax.dot_general` gives
+    (`preferred_element_type`, else the operands'). The half operands are what is saved for the
     backward pass. A `jax.custom_vjp` makes the two backward products
     half x half with float32 accumulation as well, and returns cotangents in the
     operands' own dtypes. Non-floating operands fall back to `lax.dot_general`.
@@ -436,10 +431,9 @@ def half_conv_general_dilated(
     if not (is_float(lhs) and is_float(rhs)):
         return product(lhs, rhs, preferred_element_type)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    _check_shapes(
+    out_dtype = _checked_dtype(
         lambda a, b: product(a, b, preferred_element_type), lhs, rhs,
         "half_conv_general_dilated",
     )  # fmt: skip
-    out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
     compute = _half_compute_dtype(compute_dtype, lhs, rhs)
     return accumulating_product(product, lhs, rhs, compute, out_dtype)
