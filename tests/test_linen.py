@@ -1880,6 +1880,19 @@ def test_init_draws_as_the_model_does_where_its_author_set_a_half_param_dtype():
     assert drawn.dtype == F32 and bool((drawn == own.astype(F32)).all())
 
 
+def test_a_typed_prng_key_argument_passes_through():
+    # Flax's VAE example takes its sampling key as an argument (`key<fry>`).
+    class Samples(nn.Module):
+        @nn.compact
+        def __call__(self, x, key):
+            return nn.Dense(2)(x + jax.random.normal(key, x.shape))
+
+    x, key = jnp.ones((1, 3), F32), jax.random.key(1)
+    variables = with_policy(Samples().init, "mixed_bfloat16")(jax.random.key(0), x, key)
+    out = jax.jit(with_policy(Samples().apply, "mixed_bfloat16"))(variables, x, key)
+    assert out.dtype == F32 and out.shape == (1, 2)
+
+
 def test_an_init_whose_own_form_cannot_run_is_said():
     class OnlyInHalf(nn.Module):
         dtype: Any = F32

@@ -120,7 +120,8 @@ class _MadeDtypes:
         kwargs = {k: v for k, v in kwargs.items() if k not in _APPLY_ONLY}
         leaves, treedef = jax.tree.flatten((args, kwargs))
         arrays = (jax.Array, np.ndarray)
-        values = tuple(np.dtype(x.dtype) if isinstance(x, arrays) else x for x in leaves)
+        # `x.dtype` itself: a typed PRNG key's (`key<fry>`) is no numpy dtype.
+        values = tuple(x.dtype if isinstance(x, arrays) else x for x in leaves)
         full = (key, treedef, values)
         try:
             hash(full)
