@@ -149,3 +149,27 @@ def test_bert_products_take_one_dtype_through_with_policy_and_autocast(transform
         own_products = lowered_products(own.apply)
         assert through_with_policy == own_products  # every one bf16 x bf16
         assert set(own_products) == {("bf16", "bf16")}
+
+
+def test_gpt2_cached_decoding_under_with_policy(transformers):
+    # `with_policy(module.apply)` runs the model's `init` abstractly to learn its
+    # parameters' dtypes; a decode step's arguments cannot initialise GPT-2
+    # (its cache must exist): what `with_policy(module.init)`, which made the
+    # cache, recorded for the same parameters serves. The module holds its
+    # config, so it cannot be hashed: its records are kept by identity.
+    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=16)
+    model = transformers.FlaxGPT2LMHeadModel(config, seed=0)
+    module, length = model.module, 8
+    init_args = (jnp.ones((1, length), "i4"), jnp.ones((1, length), "i4"),
+                 jnp.arange(length)[None])  # fmt: skip
+    cache = jmp.with_policy(module.init, "mixed_bfloat16")(
+        jax.random.key(0), *init_args, init_cache=True
+    )["cache"]
+    step = (jnp.array([[1]]), jnp.zeros((1, length), "i4").at[:, 0].set(1), jnp.array([[0]]))
+    apply = jmp.with_policy(module.apply, "mixed_bfloat16")
+    out, state = apply({"params": model.params, "cache": cache}, *step, init_cache=False,
+                       deterministic=True, mutable=["cache"])  # fmt: skip
+    full = module.apply({"params": model.params}, *step[:1], jnp.ones((1, 1), "i4"), step[2])
+    assert out.logits.dtype == jnp.float32
+    assert jax.tree.map(lambda x: x.dtype, state["cache"]) == jax.tree.map(lambda x: x.dtype, cache)
+    np.testing.assert_allclose(out.logits, full.logits, atol=0.05)

@@ -388,6 +388,12 @@ def test_flax_decode_cache_from_the_policy_init_decodes_and_plain_init_says_why_
             TypeError, match=r"collections 'cache' \(float32\).*with_policy\(model\.init"
         ):
             apply({"params": params, "cache": plain_cache}, step_tokens, mutable=["cache"])
+        # The same through a function around `apply` (a lambda, Hugging Face's `model(...)`).
+        around = jmp.with_policy(
+            lambda v, t: model.apply(v, t, mutable=["cache"]), "mixed_bfloat16"
+        )  # fmt: skip
+        with pytest.raises(TypeError, match=r"collections 'cache' \(float32\)"):
+            around({"params": params, "cache": plain_cache}, step_tokens)
         cache = jmp.with_policy(model.init, "mixed_bfloat16")(key, TOKENS)["cache"]
         hand_cache = FlaxDecoder(jnp.bfloat16, decode=True).init(key, TOKENS)["cache"]
         assert jax.tree.map(lambda x: x.dtype, cache) == jax.tree.map(lambda x: x.dtype, hand_cache)

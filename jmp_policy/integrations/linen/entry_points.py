@@ -14,19 +14,17 @@ from typing import Any
 
 import flax
 import flax.linen as nn
-import jax
-import numpy as np
 from flax import nnx
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, is_float
-from jmp_policy.core.policy import Policy, get_policy
+from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES
+from jmp_policy.core.policy import get_policy
 from jmp_policy.engine.data_flow import Flow, ReturnsState, as_given, cast_results
 from jmp_policy.engine.decision import product_rules
 from jmp_policy.engine.interpreter import trace_and_eval
 from jmp_policy.integrations import casting
 from jmp_policy.integrations.linen.arguments import _unwrap_partial
-from jmp_policy.integrations.linen.call import _Call, _calling
+from jmp_policy.integrations.linen.call import _Call, _calling, explain_state_dtypes
 from jmp_policy.integrations.linen.interceptor import _make_interceptor
 from jmp_policy.integrations.linen.parameters import (
     _MADE,
@@ -304,7 +302,16 @@ def with_policy(
         key = (*made_key, call.as_written, call.fields_unset)
         dtypes = _MADE.get(model, key, args, kwargs)
         if dtypes is None:
-            dtypes = _made_dtypes(model, policy, interceptor, args, kwargs, call)
+            try:
+                dtypes = _made_dtypes(model, policy, interceptor, args, kwargs, call)
+            except Exception:
+                # `init` cannot run on this call's arguments (a cached decoding
+                # step whose cache `with_policy(model.init)` made): what that
+                # init recorded for the same parameters serves.
+                paths = set(_dtypes_by_path(variables["params"]))
+                dtypes = _MADE.of_the_same_parameters(model, made_key, paths)
+                if dtypes is None:
+                    raise
             _MADE.put(model, key, args, kwargs, dtypes)
         return {**variables, "params": _read_in(variables["params"], dtypes)}
 
@@ -330,7 +337,7 @@ def with_policy(
                     )
                 except (TypeError, ValueError) as e:
                     if entry == "apply":
-                        _explain_state_dtypes(e, variables, policy)
+                        explain_state_dtypes(e, variables, policy)
                     raise
 
         # `init`'s products are never seen: only its parameters are kept.
@@ -381,32 +388,3 @@ def _check_function(fn: Any) -> None:
             f"plain functions, got the NNX module {name}; use jmp_policy.nnx.with_policy"
             "(model, policy) or jmp_policy.nnx.PolicyModule(model, policy)."
         )
-
-
-def _explain_state_dtypes(error: Exception, variables: Any, policy: Policy) -> None:
-    """Raises a `TypeError` naming the collections, if a dtype error may come from them.
-
-    A decode cache made by the plain `model.init` is float32; under a half
-    policy the model writes half keys and values into it, and Flax's
-    `dynamic_update_slice` fails with a message naming neither.
-    """
-    if not jax_internals.is_dtype_mismatch(error) or not isinstance(variables, Mapping):
-        return  # The user's own error, or another of JAX's: it reaches the user unchanged.
-    c = np.dtype(policy.compute_dtype)
-    mismatched = {}
-    for name, tree in variables.items():
-        if name in ("params", "batch_stats"):
-            continue
-        dtypes = {str(x.dtype) for x in jax.tree.leaves(tree) if is_float(x)}
-        if dtypes - {c.name}:
-            mismatched[name] = sorted(dtypes)
-    if not mismatched:
-        return
-    names = ", ".join(f"{k!r} ({', '.join(v)})" for k, v in mismatched.items())
-    raise TypeError(
-        f"with_policy: the model computes in {c.name} under {policy}, and the "
-        f"collections {names} do not fit it (a decode cache made by the plain "
-        "model.init is float32): make them with jmp_policy.with_policy(model.init, "
-        "policy), as the hand-written half-precision model would, or cast them, e.g. "
-        f"jax.tree.map(lambda x: x.astype(jnp.{c.name}), variables[{next(iter(mismatched))!r}])."
-    ) from error

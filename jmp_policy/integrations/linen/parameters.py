@@ -107,13 +107,27 @@ class _MadeDtypes:
 
     Recorded by `with_policy(model.init, ...)` (its own draws under the
     policy), else found once by an abstract `init` (`_made_dtypes`). Keyed by
-    the model (held weakly; equal linen modules share), the policy and rules,
-    and the call's structure and dtypes (not its shapes: `init` on a small
-    batch serves `apply` on any).
+    the model (held weakly; equal linen modules share, and one that cannot be
+    hashed, a Hugging Face module holding its config, is its own), the policy
+    and rules, and the call's structure and dtypes (not its shapes: `init` on
+    a small batch serves `apply` on any).
     """
 
     def __init__(self) -> None:
         self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._by_id: dict[int, dict] = {}  # Models that cannot be hashed.
+
+    def _records(self, model: Any, create: bool = False) -> dict | None:
+        try:
+            return self._by_model.setdefault(model, {}) if create else self._by_model.get(model)
+        except TypeError:  # Unhashable: by identity, for as long as it lives.
+            if create and id(model) not in self._by_id:
+                try:
+                    weakref.finalize(model, self._by_id.pop, id(model), None)
+                except TypeError:  # Not weakly referable either: nothing is kept.
+                    return None
+                self._by_id[id(model)] = {}
+            return self._by_id.get(id(model))
 
     @staticmethod
     def _key(key: Any, args: tuple, kwargs: dict) -> Any:
@@ -130,19 +144,21 @@ class _MadeDtypes:
         return full
 
     def get(self, model: Any, key: Any, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-        full = self._key(key, args, kwargs)
-        try:
-            return None if full is None else self._by_model.get(model, {}).get(full)
-        except TypeError:  # A model that cannot be held weakly, or hashed.
-            return None
+        full, records = self._key(key, args, kwargs), self._records(model)
+        return None if full is None or records is None else records.get(full)
+
+    def of_the_same_parameters(self, model: Any, policy_key: tuple, paths: set) -> dict | None:
+        """Dtypes recorded for `model` under the policy and rules `policy_key` by any
+        call whose parameters have exactly `paths` (the same parameters), or None."""
+        for (key, _, _), dtypes in (self._records(model) or {}).items():
+            if key[: len(policy_key)] == policy_key and set(dtypes) == paths:
+                return dtypes
+        return None
 
     def put(self, model: Any, key: Any, args: tuple, kwargs: dict, dtypes: dict) -> None:
-        full = self._key(key, args, kwargs)
-        try:
-            if full is not None:
-                self._by_model.setdefault(model, {})[full] = dtypes
-        except TypeError:
-            pass
+        full, records = self._key(key, args, kwargs), self._records(model, create=True)
+        if full is not None and records is not None:
+            records[full] = dtypes
 
 
 _MADE = _MadeDtypes()

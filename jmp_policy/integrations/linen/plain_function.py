@@ -22,7 +22,13 @@ from jmp_policy.engine.decision import product_rules
 from jmp_policy.engine.interpreter import trace_and_eval
 from jmp_policy.integrations import casting
 from jmp_policy.integrations.linen.arguments import _keeper
-from jmp_policy.integrations.linen.call import _CALL, _Call, _calling, _identity
+from jmp_policy.integrations.linen.call import (
+    _CALL,
+    _Call,
+    _calling,
+    _identity,
+    explain_state_dtypes,
+)
 
 
 def _plain_function(
@@ -61,8 +67,13 @@ def _plain_function(
             call = _Call(frozenset(), rewrite=True, top=False)
             cast_ids: dict[int, int | str] = {}
             run = functools.partial(call_fn, uncast=uncast, cast_ids=cast_ids)
-            with _calling(policy, call, interceptor, (args, kwargs) if scaled else ()):
-                out, flow = trace_and_eval(run, (args, kwargs), op_rules, flow=True)
+            try:
+                with _calling(policy, call, interceptor, (args, kwargs) if scaled else ()):
+                    out, flow = trace_and_eval(run, (args, kwargs), op_rules, flow=True)
+            except (TypeError, ValueError) as e:
+                for _, variables in call.given.values():  # A float32 cache, named.
+                    explain_state_dtypes(e, variables, policy)
+                raise
             # An argument the program gave a model as its variables (statistics
             # passed apart from the parameters) is state: traced again, uncast.
             given = set().union(*(_identity(v)[0] for _, v in call.given.values()))
