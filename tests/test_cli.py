@@ -164,6 +164,14 @@ def no_training(monkeypatch):
         ["frobnicate"],
         ["demo", "--no-such-option"],
         [],
+        # Options of --fp8 alone, and models --fp8 cannot take.
+        ["doctor", "--tolerance", "0.5"],
+        ["doctor", "--recipes", "not_a_recipe"],
+        ["doctor", "--fp8", ":make"],
+        ["doctor", "--fp8", "os:getcwd"],  # Returns no (apply, variables, args).
+        ["doctor", "--fp8", "os:no_such_function"],
+        ["doctor", "--fp8", "no_such_module_jmp:make"],
+        ["doctor", "--fp8", "transformer", "--recipes", "mixed_bfloat16"],
     ],
     ids=lambda argv: " ".join(argv) or "no-command",
 )
@@ -172,6 +180,20 @@ def test_bad_arguments_give_one_line_and_exit_2(argv, capsys, no_training):
     out, err = capsys.readouterr()
     assert_one_line_error(rc, err)
     assert out == ""
+
+
+def test_doctor_fp8_imports_your_module_from_here_and_lets_its_errors_through(
+    tmp_path, monkeypatch
+):
+    # As `python -m jmp_policy` does, the `jmp-policy` command imports a module
+    # of the current directory; the model's own errors are not usage errors.
+    (tmp_path / "my_fp8_model_jmp.py").write_text(
+        "def make():\n    raise ValueError('my model has a bug')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    with pytest.raises(ValueError, match="my model has a bug"):
+        cli.main(["doctor", "--fp8", "my_fp8_model_jmp:make", "--recipes", "mixed_float8"])
 
 
 def test_output_that_is_a_directory_is_refused(tmp_path, capsys, no_training):

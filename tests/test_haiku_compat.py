@@ -100,6 +100,21 @@ def test_a_matmul_dtype_is_refused_by_haiku_and_taken_by_autocast():
         hk.mixed_precision.clear_policy(hk.Linear)
 
 
+def test_a_reduce_dtype_is_refused_by_haiku_too():
+    # Haiku runs products as written: `r=f32` would be dropped silently.
+    import haiku as hk
+    import jax
+    import jax.numpy as jnp
+
+    net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(4)(x)))
+    hk.mixed_precision.set_policy(hk.Linear, jmp_policy.get_policy("mixed_bfloat16,r=f32"))
+    try:
+        with pytest.raises(ValueError, match=r"reduce dtype \(r=float32\) Haiku cannot"):
+            net.init(jax.random.key(0), jnp.ones((2, 3)))
+    finally:
+        hk.mixed_precision.clear_policy(hk.Linear)
+
+
 def test_haiku_is_recognised_through_a_policy_subclass():
     """Haiku is recognised by what it says (`hk.mixed_precision.current_policy()`),
     not by who calls: a jmp-style Policy subclass whose `cast_to_compute` calls

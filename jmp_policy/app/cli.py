@@ -203,13 +203,13 @@ def _build_parser() -> _Parser:
     p.add_argument(
         "--tolerance",
         type=_positive_float,
-        default=FP8_TOLERANCE,
+        default=None,
         help=f"with --fp8: the output's largest relative error against float32 (default "
         f"{FP8_TOLERANCE})",
     )
     p.add_argument(
         "--recipes",
-        default=",".join(FP8_RECIPES),
+        default=None,
         help=f"with --fp8: the policies to try, comma-separated (default {','.join(FP8_RECIPES)})",
     )
     return parser
@@ -236,14 +236,18 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _run_fp8_doctor(args: argparse.Namespace) -> int:
     from jmp_policy.app import fp8_doctor
 
-    apply, variables, model_args = _fp8_model(args.fp8, args.seed)
-    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    recipes = ",".join(fp8_doctor.RECIPES) if args.recipes is None else args.recipes
+    recipes = [r.strip() for r in recipes.split(",") if r.strip()]
     try:
-        report = fp8_doctor.recommend_fp8_rules(
-            apply, variables, *model_args, tolerance=args.tolerance, recipes=recipes
-        )
+        fp8_doctor.checked_recipes(recipes)
     except ValueError as e:  # A bad recipe: its message names it.
-        raise _UsageError(f"{PROG} doctor: error: {e}") from None
+        raise _UsageError(f"{PROG} doctor: error: --recipes: {e}") from None
+    apply, variables, model_args = _fp8_model(args.fp8, args.seed)
+    tolerance = FP8_TOLERANCE if args.tolerance is None else args.tolerance
+    # The model's own errors reach the user unchanged, with their traceback.
+    report = fp8_doctor.recommend_fp8_rules(
+        apply, variables, *model_args, tolerance=tolerance, recipes=recipes
+    )
     print(f"jmp-policy doctor --fp8 {args.fp8}:")
     print(report)
     return 0
@@ -260,17 +264,35 @@ def _fp8_model(name: str, seed: int) -> tuple:
         model = lm.make_model(vocab)
         params = lm.init_params(model, "float32", seed)
         return model.apply, {"params": params}, (jax.numpy.asarray(batches[0, :, :-1]),)
+    usage = (
+        f"{PROG} doctor: error: --fp8 takes 'transformer' or 'package.module:function' "
+        f"(a function returning (model.apply, variables, args)), got {name!r}"
+    )
     module_name, sep, attr = name.partition(":")
+    if not (sep and module_name and attr):
+        raise _UsageError(usage)
+    # As `python -m` does: a module of yours in the current directory imports.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
-        factory = getattr(importlib.import_module(module_name), attr) if sep else None
-    except (ImportError, AttributeError) as e:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        # Only the module named not being found: an import inside it fails as it is.
+        if not (e.name == module_name or module_name.startswith(f"{e.name}.")):
+            raise
         raise _UsageError(f"{PROG} doctor: error: --fp8 {name!r}: {e}") from None
+    factory = getattr(module, attr, None)
     if not callable(factory):
-        raise _UsageError(
-            f"{PROG} doctor: error: --fp8 takes 'transformer' or 'package.module:function' "
-            f"(a function returning (model.apply, variables, args)), got {name!r}"
-        )
-    return factory()
+        raise _UsageError(f"{usage}: {module_name} has no function {attr!r}")
+    made = factory()
+    if not (
+        isinstance(made, (tuple, list))
+        and len(made) == 3
+        and callable(made[0])
+        and isinstance(made[2], (tuple, list))
+    ):
+        raise _UsageError(f"{usage}; it returned {type(made).__name__} {_short(made)}")
+    return tuple(made)
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
@@ -279,6 +301,9 @@ def _run_doctor(args: argparse.Namespace) -> int:
 
     if args.fp8 is not None:
         return _run_fp8_doctor(args)
+    for flag, value in (("--tolerance", args.tolerance), ("--recipes", args.recipes)):
+        if value is not None:
+            raise _UsageError(f"{PROG} doctor: error: {flag} is an option of --fp8")
 
     _check_writable(args.output, "doctor")
     _check_demo_extra("doctor")
@@ -347,3 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _short(x: object, limit: int = 80) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -94,6 +94,29 @@ def format_rules(rules: dict[str, str]) -> str:
     return "{\n" + "".join(f"      {k!r}: {v!r},\n" for k, v in rules.items()) + "  }"
 
 
+def checked_recipes(recipes: Sequence[str | Policy] | str | Policy) -> dict[str, Policy]:
+    """Each recipe's policy by its name.
+
+    Raises:
+      ValueError: if a policy spec is malformed, `recipes` is empty or one has
+        no FP8 or FP4 matmul dtype.
+    """
+    if isinstance(recipes, (str, Policy)):
+        recipes = (recipes,)  # One recipe.
+    if not recipes:
+        raise ValueError(
+            f"recipes must name at least one FP8 or FP4 policy, such as {', '.join(RECIPES)}."
+        )
+    policies = {(r if isinstance(r, str) else str(r)): get_policy(r) for r in recipes}
+    for name, policy in policies.items():
+        if policy.matmul_dtype is None or np.dtype(policy.matmul_dtype).itemsize != 1:
+            raise ValueError(
+                f"recipes: {name!r} has no FP8 or FP4 matmul dtype (m=f8, f8_rowwise, mxfp8 "
+                f"or nvfp4); accepted are policies such as {', '.join(RECIPES)}."
+            )
+    return policies
+
+
 def recommend_fp8_rules(
     apply: Callable[..., Any],
     variables: Any,
@@ -134,19 +157,7 @@ def recommend_fp8_rules(
         submodule of the model runs a product.
       TypeError: if `tolerance` is not a number.
     """
-    if isinstance(recipes, (str, Policy)):
-        recipes = (recipes,)  # One recipe.
-    if not recipes:
-        raise ValueError(
-            f"recipes must name at least one FP8 or FP4 policy, such as {', '.join(RECIPES)}."
-        )
-    policies = {(r if isinstance(r, str) else str(r)): get_policy(r) for r in recipes}
-    for name, policy in policies.items():
-        if policy.matmul_dtype is None or np.dtype(policy.matmul_dtype).itemsize != 1:
-            raise ValueError(
-                f"recipes: {name!r} has no FP8 or FP4 matmul dtype (m=f8, f8_rowwise, mxfp8 "
-                f"or nvfp4); accepted are policies such as {', '.join(RECIPES)}."
-            )
+    policies = checked_recipes(recipes)
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
         raise TypeError(f"tolerance must be a positive number, got {tolerance!r}.")
     if not tolerance > 0:

@@ -186,24 +186,33 @@ def _check_matmul_scaling(dtype: np.dtype | None, scaling: str) -> str:
     )
 
 
-def _refuse_haiku(policy: Policy, matmul_dtype: np.dtype) -> None:
+def _refuse_haiku(policy: Policy) -> None:
     """Haiku's `hk.mixed_precision` casts a module's inputs and parameters but
-    runs its products as written: a matmul dtype would be dropped silently.
+    runs its products as written: a matmul or reduce dtype would be dropped silently.
 
     Haiku says, by its public `current_policy()`, that it applies this very
     policy now (it makes it current before casting). A user's own cast inside
     such a module is refused too: loudly, never silently wrong. Haiku is not
     imported here: unless loaded, it applies no policy."""
     haiku = sys.modules.get("haiku.mixed_precision")
-    if haiku is not None and haiku.current_policy() is policy:
-        raise ValueError(
-            f"hk.mixed_precision got the policy {policy}, whose matmul dtype "
-            f"(m={matmul_dtype.name}) Haiku cannot apply: it casts inputs and "
-            "parameters, and runs every product as written. Give Haiku the policy "
-            "without it (policy.with_matmul_dtype(None)) and run the transformed "
-            "function under jmp_policy.autocast(apply, policy), which applies it to "
-            "every product."
+    if haiku is None or haiku.current_policy() is not policy:
+        return
+    words = [
+        f"{what} dtype ({key}={np.dtype(d).name})"
+        for what, key, d in (
+            ("matmul", "m", policy.matmul_dtype),
+            ("reduce", "r", policy.reduce_dtype),
         )
+        if d is not None
+    ]
+    raise ValueError(
+        f"hk.mixed_precision got the policy {policy}, whose {' and '.join(words)} "
+        "Haiku cannot apply: it casts inputs and parameters, and runs every product "
+        "as written. Give Haiku the policy without them "
+        "(policy.with_matmul_dtype(None).with_reduce_dtype(None)) and run the "
+        "transformed function under jmp_policy.autocast(apply, policy), which applies "
+        "them to every product."
+    )
 
 
 def _is_float_array(x: Any) -> bool:
@@ -357,10 +366,10 @@ class Policy:
 
         Raises:
           ValueError: if Haiku's `hk.mixed_precision` calls it on a policy
-            with a matmul dtype, which Haiku would silently drop.
+            with a matmul or reduce dtype, which Haiku would silently drop.
         """
-        if self.matmul_dtype is not None:
-            _refuse_haiku(self, np.dtype(self.matmul_dtype))
+        if self.matmul_dtype is not None or self.reduce_dtype is not None:
+            _refuse_haiku(self)
         return _cast_floating_to(x, self.compute_dtype)
 
     def cast_to_output(self, x: T) -> T:
