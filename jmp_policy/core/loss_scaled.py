@@ -60,8 +60,8 @@ def loss_scaled(
     """Wraps an optimizer for gradients of a loss scaled by a `LossScale`.
 
     `update` receives the gradients of `loss_scale.scale(loss)`. It divides
-    them by the scale (in float32; the updates and the inner state leave in
-    the dtypes the gradients and the state came in), checks they are all finite and only then
+    them by the scale (in float32; the updates leave in the dtypes plain
+    optax gives, the inner state in its own), checks they are all finite and only then
     lets `inner` see them, so clipping, weight decay, accumulation and
     schedules inside `inner` work on true gradients. On a non-finite step it
     returns zero updates and keeps `inner`'s state bit for bit (schedules do
