@@ -14,6 +14,7 @@ import importlib.util
 import math
 import os
 import pathlib
+import reprlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -291,7 +292,7 @@ def _fp8_model(name: str, seed: int) -> tuple:
         and callable(made[0])
         and isinstance(made[2], (tuple, list))
     ):
-        raise _UsageError(f"{usage}; it returned {type(made).__name__} {_short(made)}")
+        raise _UsageError(f"{usage}; it returned {type(made).__name__} {reprlib.repr(made)}")
     return tuple(made)
 
 
@@ -372,8 +373,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _short(x: object, limit: int = 80) -> str:
-    text = repr(x)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

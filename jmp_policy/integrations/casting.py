@@ -29,13 +29,14 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.dtypes import is_complex
+from jmp_policy.core.dtypes import is_complex, is_float
 from jmp_policy.core.policy import Policy
 from jmp_policy.engine.decision import policy_products
 from jmp_policy.engine.interpreter import matmuls_in
@@ -267,3 +268,31 @@ def cast_inputs(
         tuple(a if keep(i) else policy.cast_to_compute(a) for i, a in enumerate(args)),
         {k: v if keep(k) else policy.cast_to_compute(v) for k, v in kwargs.items()},
     )
+
+
+def name_unfit_state(
+    error: Exception, state: dict[str, Any], policy: Policy, front_end: str, what: str, fix: str
+) -> None:
+    """Raises a `TypeError` naming the state that does not fit the compute
+    dtype, if `error` is a dtype mismatch it may come from; else returns.
+
+    A decode cache made float32 (the plain `model.init`, Flax's `init_cache`)
+    gets half keys and values written into it under a half policy, and
+    `dynamic_update_slice` fails with a message naming neither. `state`: each
+    name's variables (a pytree); `what` names them, `fix` says why and the way
+    out (`{dtype}` and `{name}` are filled in).
+    """
+    if not jax_internals.is_dtype_mismatch(error):
+        return  # The user's own error, or another of JAX's: it reaches the user unchanged.
+    c = np.dtype(policy.compute_dtype)
+    unfit = {}
+    for name, tree in state.items():
+        dtypes = {str(x.dtype) for x in jax.tree.leaves(tree) if is_float(x)}
+        if dtypes - {c.name}:
+            unfit[name] = sorted(dtypes)
+    if unfit:
+        names = ", ".join(f"{k!r} ({', '.join(v)})" for k, v in unfit.items())
+        raise TypeError(
+            f"{front_end}: the model computes in {c.name} under {policy}, and {what} {names} "
+            f"do not fit it {fix.format(dtype=c.name, name=next(iter(unfit)))}"
+        ) from error

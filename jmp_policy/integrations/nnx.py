@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, is_float
+from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
 from jmp_policy.core.policy import Policy, get_policy
@@ -649,26 +649,13 @@ def autocast_with_state(run: Callable, fn: Callable, args: tuple, kwargs: dict) 
 
 
 def _explain_cache_dtypes(error: Exception, module: nnx.Module, policy: Policy) -> None:
-    """Raises a `TypeError` naming the cache variables, if a dtype error may come from them.
-
-    Flax's `init_cache` makes a float32 cache by default; under a half policy
-    the layers write half keys and values into it, and `dynamic_update_slice`
-    fails with a message naming neither.
-    """
-    if not jax_internals.is_dtype_mismatch(error):
-        return  # The user's own error, or another of JAX's: it reaches the user unchanged.
-    c = np.dtype(policy.compute_dtype)
-    caches = jax.tree_util.tree_leaves_with_path(nnx.state(module, nnx.Cache))
-    mismatched = {
-        jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value"): str(x.dtype)
-        for path, x in caches
-        if is_float(x) and x.dtype != c
+    """Raises a `TypeError` naming the cache variables, if a dtype error may come from them."""
+    caches = {
+        jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value"): x
+        for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(module, nnx.Cache))
     }
-    if mismatched:
-        names = ", ".join(f"{k!r} ({d})" for k, d in mismatched.items())
-        raise TypeError(
-            f"jmp_policy.nnx: the model computes in {c.name} under {policy}, and its cache "
-            f"variables {names} do not fit it (Flax's init_cache makes float32 ones by "
-            f"default): make them in {c.name}, e.g. init_cache(shape, dtype=jnp.{c.name}), "
-            "as the hand-written half-precision model would."
-        ) from error
+    casting.name_unfit_state(
+        error, caches, policy, "jmp_policy.nnx", "its cache variables",
+        "(Flax's init_cache makes float32 ones by default): make them in {dtype}, e.g. "
+        "init_cache(shape, dtype=jnp.{dtype}), as the hand-written half-precision model would.",
+    )  # fmt: skip

@@ -20,12 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy.core import jax_internals
-from jmp_policy.core.dtypes import is_float
 from jmp_policy.core.policy import Policy
 from jmp_policy.engine.data_flow import declare_state, is_declared_state
 from jmp_policy.engine.decision import policy_products
 from jmp_policy.engine.residuals import traced_for
+from jmp_policy.integrations import casting
 from jmp_policy.integrations.linen import flax_internals
 
 # The policy of the module being called; children without a rule inherit it.
@@ -183,29 +182,13 @@ _nn_jit_keyed_on_the_call()
 
 
 def explain_state_dtypes(error: Exception, variables: Any, policy: Policy) -> None:
-    """Raises a `TypeError` naming the collections, if a dtype error may come from them.
-
-    A decode cache made by the plain `model.init` is float32; under a half
-    policy the model writes half keys and values into it, and Flax's
-    `dynamic_update_slice` fails with a message naming neither.
-    """
-    if not jax_internals.is_dtype_mismatch(error) or not isinstance(variables, Mapping):
-        return  # The user's own error, or another of JAX's: it reaches the user unchanged.
-    c = np.dtype(policy.compute_dtype)
-    mismatched = {}
-    for name, tree in variables.items():
-        if name in ("params", "batch_stats"):
-            continue
-        dtypes = {str(x.dtype) for x in jax.tree.leaves(tree) if is_float(x)}
-        if dtypes - {c.name}:
-            mismatched[name] = sorted(dtypes)
-    if not mismatched:
-        return
-    names = ", ".join(f"{k!r} ({', '.join(v)})" for k, v in mismatched.items())
-    raise TypeError(
-        f"with_policy: the model computes in {c.name} under {policy}, and the "
-        f"collections {names} do not fit it (a decode cache made by the plain "
-        "model.init is float32): make them with jmp_policy.with_policy(model.init, "
-        "policy), as the hand-written half-precision model would, or cast them, e.g. "
-        f"jax.tree.map(lambda x: x.astype(jnp.{c.name}), variables[{next(iter(mismatched))!r}])."
-    ) from error
+    """Raises a `TypeError` naming the collections, if a dtype error may come from them."""
+    if isinstance(variables, Mapping):
+        collections = {k: v for k, v in variables.items() if k not in ("params", "batch_stats")}
+        casting.name_unfit_state(
+            error, collections, policy, "with_policy", "the collections",
+            "(a decode cache made by the plain model.init is float32): make them with "
+            "jmp_policy.with_policy(model.init, policy), as the hand-written half-precision "
+            "model would, or cast them, e.g. "
+            "jax.tree.map(lambda x: x.astype(jnp.{dtype}), variables[{name!r}]).",
+        )  # fmt: skip
