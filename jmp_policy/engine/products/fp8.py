@@ -40,19 +40,27 @@ arXiv:2209.05433; torchao's float8 training recipes.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jmp_policy.core import jax_internals as ji
-from jmp_policy.core.dtypes import F32, at_least_normal, cast, is_float, pow2_at_least, widest
+from jmp_policy.core.dtypes import F32, cast, is_float, widest
 from jmp_policy.core.policy import check_scaling
-from jmp_policy.engine.products import cpu_form
+from jmp_policy.engine.products import cpu_form, shard_local
 from jmp_policy.engine.products.block_scaling import FORMATS, block_scaled_product
+from jmp_policy.engine.products.fp8_format import (
+    E4M3,
+    E4M3_MAX,
+    E5M2,
+    E5M2_MAX,
+    Dims,
+    fp8_quantize,
+    fp8_scale,
+)
 from jmp_policy.engine.products.half import (
     _accumulate_in_float32,
     call_reverse_mode_only,
@@ -64,53 +72,6 @@ from jmp_policy.engine.products.half import (
     shared_factory,
 )
 from jmp_policy.engine.residuals import check_residuals, residual_form, to_be_saved_quantized
-
-E4M3 = np.dtype(jnp.float8_e4m3fn)
-E5M2 = np.dtype(jnp.float8_e5m2)
-# The largest finite values: what a tensor's amax is scaled to (at most).
-E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
-E5M2_MAX = float(jnp.finfo(E5M2).max)  # 57344
-
-Dims = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
-
-
-def fp8_scale(x: jax.Array, fp8_max: float, axes: Sequence[int] | None = None) -> jax.Array:
-    """The scale of `x` for an FP8 format: a float32 power of two, per tensor or per row.
-
-    The smallest power of two `s >= amax(|x|) / fp8_max`, so `x / s` fits the
-    format and dividing by it is exact (the only error is the FP8 rounding).
-    1 where the values it covers are all zeros, or none (a zero-size `x`). A
-    non-finite amax is kept as the scale (never clipped): the product is
-    multiplied by it, so an inf or NaN in `x` makes the result non-finite and
-    `loss_scaled` skips the step.
-    A constant for differentiation.
-
-    Args:
-      x: the array.
-      fp8_max: the format's largest finite value (`E4M3_MAX`, `E5M2_MAX`).
-      axes: the axes the amax is taken over, kept as size 1 (one scale per
-        row of the others); None: all of them, and a scalar scale.
-
-    Returns:
-      The float32 scale: a scalar, or `x`'s shape with `axes` of size 1.
-    """
-    x = lax.stop_gradient(x)
-    # `initial=0`: the identity of a max of magnitudes, so an empty `x` has scale 1.
-    amax = jnp.max(jnp.abs(x.astype(F32)), axis=None if axes is None else tuple(axes),
-                   keepdims=axes is not None, initial=0.0)  # fmt: skip
-    return pow2_at_least(at_least_normal(amax, amax / np.float32(fp8_max)))
-
-
-def fp8_quantize(x: jax.Array, scale: jax.Array, dtype: np.dtype, fp8_max: float) -> jax.Array:
-    """`x / scale` rounded to the FP8 `dtype` (`scale` broadcasts against `x`).
-
-    A finite `x / scale` is within +-fp8_max (the scale covers the amax); the
-    clip only guards the float32 rounding at the edge, and keeps NaN (an inf
-    operand has an inf scale, so inf / inf is NaN: non-finite stays so).
-    """
-    scaled = x.astype(F32) / scale
-    return lax.convert_element_type(jnp.clip(scaled, -fp8_max, fp8_max), dtype)
-
 
 # ------------------------------------------------------------- layouts
 
@@ -306,6 +267,13 @@ def _shared_fp8_product(
     """`fp8_product`'s function of one signature: an inlined `jax.jit`, so that
     JAX traces, differentiates and transposes it once (see `accumulating_dot`)."""
     del cpu_form  # Only a key: the products read the setting as they trace.
+    if scaling == "tensor" and residuals == "operands" and out_sharding is None:
+        return ji.inlined_jit(
+            functools.partial(
+                _per_tensor_product, dims=dims, out_dtype=out_dtype, precision=precision,
+                results=results,
+            )
+        )  # fmt: skip
     return ji.inlined_jit(
         functools.partial(
             _fp8_product, dims=dims, out_dtype=out_dtype, rowwise=scaling == "rowwise",
@@ -313,6 +281,72 @@ def _shared_fp8_product(
             results=results,
         )
     )  # fmt: skip
+
+
+def _straight_through(spec: shard_local.Spec, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`shard_local.scaled_product(spec, a, b)`, whose tangent is the product
+    in the operands' (widest) dtype (the rounding to FP8 counts as the identity)."""
+
+    @jax.custom_jvp
+    def f(a, b):
+        return shard_local.scaled_product(spec, a, b)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (a, b), (da, db) = primals, tangents
+        c = widest([a.dtype, b.dtype])
+        bilinear = dot_product(spec.dims, spec.precision)
+        tangent = bilinear(cast(da, c), cast(b, c), spec.results) + bilinear(
+            cast(a, c), cast(db, c), spec.results
+        )
+        return f(a, b), tangent.astype(spec.results)
+
+    return f(a, b)
+
+
+def _per_tensor_product(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    *,
+    dims: Dims,
+    out_dtype: np.dtype,
+    precision: Any,
+    results: np.dtype,
+) -> jax.Array:
+    """Per-tensor scaling with the operands saved, each product a
+    `shard_local` one: sharded, every device scales the blocks it holds by
+    their own amax (no all-reduce)."""
+    ndims = (lhs.ndim, rhs.ndim)
+    lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
+    e4m3, e5m2 = (E4M3, E4M3_MAX), (E5M2, E5M2_MAX)
+    forward = shard_local.Spec(dims, ndims, (e4m3, e4m3), results, precision)
+    lf, rf = shard_local.free_dims(dims, ndims)
+    out_ndim = len(dims[1][0]) + len(lf) + len(rf)
+    transposed = {side: shard_local.transposed_dims(dims, ndims, side) for side in ("lhs", "rhs")}
+
+    def backward(side: str) -> shard_local.Spec:
+        """`d side`'s product: of the output gradient (e5m2) and the other operand."""
+        other_ndim = ndims[1] if side == "lhs" else ndims[0]
+        return shard_local.Spec(
+            transposed[side][0], (out_ndim, other_ndim), (e5m2, e4m3), results, precision
+        )
+
+    @jax.custom_vjp
+    def f(lhs, rhs):
+        return fwd(lhs, rhs)[0]
+
+    def fwd(lhs, rhs):
+        return cast(_straight_through(forward, lhs, rhs), out_dtype), (lhs, rhs)
+
+    def bwd(res, g):
+        bars = []
+        for side, other, dtype in (("lhs", res[1], lhs_dtype), ("rhs", res[0], rhs_dtype)):
+            bar = _straight_through(backward(side), g, other)
+            bars.append(cast(lax.transpose(bar, transposed[side][1]), dtype))
+        return tuple(bars)
+
+    f.defvjp(fwd, decided(ji.inlined_jit(bwd)))
+    return f(lhs, rhs)
 
 
 def _fp8_product(

@@ -1,0 +1,104 @@
+"""FP8 products under `jit` over 8 devices, operands saved: each device scales
+the blocks it holds by their own amax, so no all-reduce carries an amax."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jmp_policy as jmp
+from jmp_policy.engine.products import shard_local
+
+DIMS = (((2,), (0,)), ((), ()))  # (batch, seq, in) x (in, out)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    return Mesh(np.array(jax.devices()[:8]), ("x",))
+
+
+def loss_and_grads(residuals, x, w):
+    def loss(x, w):
+        y = jmp.fp8_dot_general(x, w, DIMS, residuals=residuals)
+        return jnp.sum(jnp.tanh(y))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def all_reduces(compiled_text):
+    """(all-reduces, those of one element) in a compiled program."""
+    found = re.findall(r"= (\w+)\[([0-9,]*)\][^=]*? all-reduce(?:-start)?\(", compiled_text)
+    return len(found), sum(dims == "" for _, dims in found)
+
+
+# data parallel; the contraction sharded (row-parallel); the output sharded
+# (column-parallel); both on one axis (FSDP: the weight is gathered)
+LAYOUTS = {
+    "data": (P("x"), P()),
+    "contraction": (P(None, None, "x"), P("x")),
+    "columns": (P(), P(None, "x")),
+    "fsdp": (P("x"), P("x")),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_no_amax_is_all_reduced_and_exact_operands_give_exact_gradients(mesh, layout):
+    # Small integers times powers of two are e4m3 (and e5m2) numbers: every
+    # layout's per-shard scales give float32's exact result.
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.integers(-4, 5, size=(16, 4, 32)) / 8, jnp.float32)
+    w = jnp.asarray(rng.integers(-4, 5, size=(32, 24)) / 4, jnp.float32)
+    xs, ws = (jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), LAYOUTS[layout]))
+    step = loss_and_grads("operands", xs, ws)
+    loss, (dx, dw) = step(xs, ws)
+    exact = jax.value_and_grad(
+        lambda x, w: jnp.sum(jnp.tanh(jnp.einsum("bsi,io->bso", x, w, precision="highest"))),
+        argnums=(0, 1),
+    )(x, w)
+    np.testing.assert_allclose(loss, exact[0], rtol=1e-6)
+    # The gradient through tanh is not an e5m2 number: within e5m2's rounding.
+    for got, want in zip((dx, dw), exact[1]):
+        np.testing.assert_allclose(got, want, atol=0.07 * float(jnp.abs(want).max()))
+    total, scalars = all_reduces(step.lower(xs, ws).compile().as_text())
+    assert scalars <= 1, (layout, total, scalars)  # the loss's own sum at most
+    # Saved quantized (the default), the scales are global: one all-reduce per amax.
+    quantized = loss_and_grads("quantized", xs, ws).lower(xs, ws).compile().as_text()
+    if layout == "data":
+        assert all_reduces(quantized)[1] > scalars
+
+
+def test_sharded_results_are_close_to_one_devices(mesh):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(
+        rng.normal(size=(16, 4, 32)) * np.repeat([1.0, 30.0], 8)[:, None, None], jnp.float32
+    )
+    w = jnp.asarray(rng.normal(size=(32, 24)), jnp.float32)
+    one = loss_and_grads("operands", x, w)(x, w)
+    xs = jax.device_put(x, NamedSharding(mesh, P("x")))
+    sharded = loss_and_grads("operands", xs, w)(xs, w)
+    np.testing.assert_allclose(sharded[0], one[0], rtol=0.05)
+    for a, b in zip(sharded[1], one[1]):
+        np.testing.assert_allclose(a, b, atol=0.1 * float(jnp.abs(b).max()))
+
+
+@pytest.mark.parametrize("dims, shapes", [
+    ((((2,), (0,)), ((), ())), ((3, 4, 5), (5, 6))),
+    ((((1,), (2,)), ((0,), (0,))), ((2, 5, 3), (2, 4, 5))),
+    ((((0, 2), (1, 0)), ((), ())), ((5, 3, 4), (4, 5, 2))),
+])  # fmt: skip
+def test_transposed_dims_are_jaxs_transpose(dims, shapes):
+    rng = np.random.default_rng(2)
+    lhs, rhs = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes)
+    out, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dims), lhs, rhs)
+    g = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    want = vjp(g)
+    for side, other, w in (("lhs", rhs, want[0]), ("rhs", lhs, want[1])):
+        t_dims, order = shard_local.transposed_dims(dims, (lhs.ndim, rhs.ndim), side)
+        got = jax.lax.transpose(jax.lax.dot_general(g, other, t_dims), order)
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
