@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+from typing import Any
 
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
@@ -232,3 +233,36 @@ def _readers(name: str, by_operand: dict[str, list[Instruction]]) -> int:
         else:
             count += 1
     return count
+
+
+def unread_parameters(text: str) -> list[int]:
+    """The numbers of the entry computation's parameters that none of its instructions reads."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
+    parameters: dict[str, int] = {}
+    read: set[str] = set()
+    for line in lines[start + 1 :]:
+        if line.strip() == "}":
+            break
+        m = _INSTRUCTION.match(line)
+        instruction = _split_instruction(m[1], m[2]) if m else None
+        if instruction is None:
+            continue
+        if instruction.opcode == "parameter":
+            parameters[instruction.name] = int(line.split("parameter(", 1)[1].split(")", 1)[0])
+        read.update(instruction.operands)
+    return sorted(n for name, n in parameters.items() if name not in read)
+
+
+def residuals_read(fn: Any, *args: Any) -> list[Any]:
+    """The values saved for `fn(*args)`'s backward pass that the backward pass,
+    compiled for one device, reads (XLA drops the others: a product's FP8
+    copies serve a program that is not partitioned, its operands one that is)."""
+    import jax
+
+    out, vjp = jax.vjp(fn, *args)
+    saved = jax.tree.leaves(vjp)
+    compiled = jax.jit(lambda v, g: v(g), keep_unused=True).lower(vjp, out).compile()
+    text = compiled.as_text() or ""
+    unread = set(unread_parameters(text))
+    return [x for i, x in enumerate(saved) if i not in unread]

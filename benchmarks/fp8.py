@@ -45,9 +45,11 @@ float32 parameters, sees the same batches and trains with
    dequantizing to float32, so they count as "other" dots here.
 3. Extra state: arrays and bytes a variant adds to the variables (the
    parameters and optimizer state aside).
-4. Memory: the bytes JAX saves for the backward pass of the loss
-   (`saved_residuals`; for jmp_policy's recipes also with the operands
-   saved instead of their quantized copies, `fp8_residuals("operands")`) and
+4. Memory: the bytes saved for the backward pass of the loss that the
+   backward pass, compiled for one device, reads (of what JAX saves, XLA
+   drops what no instruction reads; for jmp_policy's recipes also with the
+   operands saved instead of their quantized copies,
+   `fp8_residuals("operands")`) and
    the compiled step's temporary bytes (XLA's `memory_analysis()`). On CPU
    the emulated FP8 products convert their operands to float32, so XLA's
    temporary bytes say little (and are the same whichever is saved):
@@ -89,9 +91,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import _compiled_hlo
 import jmp_policy
 from jmp_policy.app import transformer_lm
-from jmp_policy.core.diagnostics import saved_residuals
 
 OWG = "_overwrite_with_gradient"  # Flax's collection of FP8 scales and amax histories
 BATCH, FEATURES, HIDDEN, CLASSES = 64, 32, 128, 10
@@ -337,13 +339,14 @@ def quantized_to(text: str) -> str:
 
 
 def residual_bytes(run: Run, task: Task) -> int:
-    """The bytes JAX saves for the backward pass of the loss on the first batch."""
+    """The bytes saved for the backward pass of the loss on the first batch
+    that the backward pass, compiled for one device, reads."""
     batch = batch_at(task, 0)
 
     def loss(variables):
         return task.loss(run.apply(variables, task.inputs(batch)), batch)
 
-    return sum(r.size * r.dtype.itemsize for r, _ in saved_residuals(loss, run.variables))
+    return sum(r.size * r.dtype.itemsize for r in _compiled_hlo.residuals_read(loss, run.variables))
 
 
 def temp_bytes(run: Run, task: Task) -> int:
@@ -449,7 +452,7 @@ def measure(quick: bool) -> tuple[list[str], dict[str, dict[str, str]], list[str
         base = train(reference.restart(reference), task)
         rows[f"{task.name}: final loss"]["float32"] = f"{base:.4f}"
         reference_out = _jit_forward(reference.apply)({"params": params}, example)
-        rows[f"{task.name}: residual bytes (JAX)"]["float32"] = (
+        rows[f"{task.name}: residual bytes (read)"]["float32"] = (
             f"{residual_bytes(reference, task):,}"
         )
         rows[f"{task.name}: step temp bytes (XLA)"]["float32"] = f"{temp_bytes(reference, task):,}"
@@ -470,7 +473,7 @@ def measure(quick: bool) -> tuple[list[str], dict[str, dict[str, str]], list[str
             rows[f"{task.name}: quantized to"][col] = quantized_to(text)
             arrays, nbytes = extra_state(run)
             rows[f"{task.name}: extra state arrays (bytes)"][col] = f"{arrays} ({nbytes:,})"
-            rows[f"{task.name}: residual bytes (JAX)"][col] = f"{residual_bytes(run, task):,}"
+            rows[f"{task.name}: residual bytes (read)"][col] = f"{residual_bytes(run, task):,}"
             rows[f"{task.name}: step temp bytes (XLA)"][col] = f"{temp_bytes(run, task):,}"
             if v.peer is None:  # jmp_policy's: what saving the operands would cost
                 with jmp_policy.fp8_residuals("operands"):

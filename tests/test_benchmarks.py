@@ -216,7 +216,7 @@ def test_fp8_benchmark_block_formats(fp8_table):
     # The quantized copies saved for the backward pass: fewer bytes than the
     # operands (bfloat16) would be.
     for name in ("jmp tensor", "jmp rowwise", "jmp mxfp8", "jmp nvfp4"):
-        saved = int(table[name]["MLP: residual bytes (JAX)"].replace(",", ""))
+        saved = int(table[name]["MLP: residual bytes (read)"].replace(",", ""))
         operands = int(table[name]["MLP: residual bytes, operands saved"].replace(",", ""))
         assert saved < 0.8 * operands, (name, saved, operands)
     if "qwix mxfp8" in table:

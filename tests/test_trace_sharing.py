@@ -357,11 +357,11 @@ def test_a_shared_rewrite_keeps_no_function_or_module_alive():
 
 
 def fp8_traces(depth):
-    """How many backward equations the FP8 products' rewrite runs, tracing `depth` layers."""
+    """How many times the per-tensor FP8 product is traced, tracing `depth` layers."""
     from jmp_policy.engine.products import fp8
 
     matmul.clear_shared_products()
-    with mock.patch.object(fp8, "_accumulate_in_float32", wraps=fp8._accumulate_in_float32) as seen:
+    with mock.patch.object(fp8, "_per_tensor_product", wraps=fp8._per_tensor_product) as seen:
         jax.make_jaxpr(jax.grad(stack(fp8.fp8_dot_general, depth)))(*operands(depth))
     return seen.call_count
 

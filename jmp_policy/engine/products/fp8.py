@@ -39,6 +39,7 @@ arXiv:2209.05433; torchao's float8 training recipes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -267,11 +268,11 @@ def _shared_fp8_product(
     """`fp8_product`'s function of one signature: an inlined `jax.jit`, so that
     JAX traces, differentiates and transposes it once (see `accumulating_dot`)."""
     del cpu_form  # Only a key: the products read the setting as they trace.
-    if scaling == "tensor" and residuals == "operands" and out_sharding is None:
+    if scaling == "tensor" and out_sharding is None:
         return ji.inlined_jit(
             functools.partial(
                 _per_tensor_product, dims=dims, out_dtype=out_dtype, precision=precision,
-                results=results,
+                residuals=residuals, results=results,
             )
         )  # fmt: skip
     return ji.inlined_jit(
@@ -311,11 +312,11 @@ def _per_tensor_product(
     dims: Dims,
     out_dtype: np.dtype,
     precision: Any,
+    residuals: str,
     results: np.dtype,
 ) -> jax.Array:
-    """Per-tensor scaling with the operands saved, each product a
-    `shard_local` one: sharded, every device scales the blocks it holds by
-    their own amax (no all-reduce)."""
+    """Per-tensor scaling, each product a `shard_local` one: sharded, every
+    device scales the blocks it holds by their own amax (no all-reduce)."""
     ndims = (lhs.ndim, rhs.ndim)
     lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
     e4m3, e5m2 = (E4M3, E4M3_MAX), (E5M2, E5M2_MAX)
@@ -336,12 +337,29 @@ def _per_tensor_product(
         return fwd(lhs, rhs)[0]
 
     def fwd(lhs, rhs):
-        return cast(_straight_through(forward, lhs, rhs), out_dtype), (lhs, rhs)
+        if residuals == "operands":
+            return cast(_straight_through(forward, lhs, rhs), out_dtype), (lhs, rhs)
+        # Saved quantized, the operands have no tangents (differentiating them
+        # raises). The backward products take the forward's own FP8 copies
+        # where the program is not partitioned, the operands where it is (each
+        # device quantizes its blocks again); XLA drops whichever is not read.
+        lhs, rhs = to_be_saved_quantized((lhs, rhs))
+        out, *copies = shard_local.scaled_product(dataclasses.replace(forward, save=True), lhs, rhs)
+        return cast(out, out_dtype), (lhs, rhs, *copies)
 
     def bwd(res, g):
+        if residuals == "quantized":  # One e5m2 copy of `g` for both products.
+            scale = fp8_scale(g, E5M2_MAX)
+            g_copy = (fp8_quantize(g, scale, E5M2, E5M2_MAX), scale)
         bars = []
-        for side, other, dtype in (("lhs", res[1], lhs_dtype), ("rhs", res[0], rhs_dtype)):
-            bar = _straight_through(backward(side), g, other)
+        for side, dtype in (("lhs", lhs_dtype), ("rhs", rhs_dtype)):
+            other = res[1] if side == "lhs" else res[0]
+            if residuals == "operands":
+                bar = _straight_through(backward(side), g, other)
+            else:  # With the FP8 copies of `g` and of the other operand.
+                copy = res[4:6] if side == "lhs" else res[2:4]
+                spec = dataclasses.replace(backward(side), copies=(True, True))
+                bar = shard_local.scaled_product(spec, g, other, *g_copy, *copy)
             bars.append(cast(lax.transpose(bar, transposed[side][1]), dtype))
         return tuple(bars)
 

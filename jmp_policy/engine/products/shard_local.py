@@ -39,13 +39,22 @@ Format = tuple[np.dtype, float]  # An FP8 dtype and its largest finite value.
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """One product's static description: `dot_general`'s dimension numbers,
-    the operands' ranks and FP8 formats, the results dtype and precision."""
+    the operands' ranks and FP8 formats, the results dtype and precision.
+
+    `save`: the product also gives each operand's FP8 copy and its scale, to
+    be saved for the backward pass. `copies`: which operands come with such
+    a copy and scale, which the product takes where it is not partitioned (a
+    partitioned product quantizes each device's blocks itself, and the
+    program no longer reads the copy).
+    """
 
     dims: Dims
     ndims: tuple[int, int]
     formats: tuple[Format, Format]
     results: np.dtype
     precision: Any = None
+    save: bool = False
+    copies: tuple[bool, bool] = (False, False)
 
 
 def free_dims(dims: Dims, ndims: tuple[int, int]) -> tuple[list[int], list[int]]:
@@ -57,13 +66,22 @@ def free_dims(dims: Dims, ndims: tuple[int, int]) -> tuple[list[int], list[int]]
     )
 
 
-def _compute(spec: Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+def _quantized(x: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
+    scale = fp8_scale(x, fmt[1])
+    return fp8_quantize(x, scale, *fmt), scale
+
+
+def _compute(spec: Spec, lhs: jax.Array, rhs: jax.Array, *copies: jax.Array) -> Any:
     """The product of the arrays one device holds (all of them, unpartitioned)."""
-    scales = [fp8_scale(x, fmt[1]) for x, fmt in zip((lhs, rhs), spec.formats)]
-    ql, qr = (fp8_quantize(x, s, *fmt) for x, s, fmt in zip((lhs, rhs), scales, spec.formats))
+    given = iter(copies)
+    (ql, sl), (qr, sr) = (
+        (next(given), next(given)) if copied else _quantized(x, fmt)
+        for x, fmt, copied in zip((lhs, rhs), spec.formats, spec.copies)
+    )
     product = dot_product(spec.dims, spec.precision)(ql, qr, spec.results)
     # One scale after the other: their product could underflow on its own.
-    return (product.astype(F32) * scales[0] * scales[1]).astype(spec.results)
+    out = (product.astype(F32) * sl * sr).astype(spec.results)
+    return (out, ql, sl, qr, sr) if spec.save else out
 
 
 def _factors(spec: Spec) -> tuple[list[str], list[str], list[str]]:
@@ -80,7 +98,13 @@ def _factors(spec: Spec) -> tuple[list[str], list[str], list[str]]:
 def _sharding_rule(spec: Spec, mesh: Any, operand_types: Any, result_types: Any) -> str:
     del mesh, operand_types, result_types
     lhs, rhs, out = _factors(spec)
-    return f"{' '.join(lhs)}, {' '.join(rhs)} -> {' '.join(out)}"
+    operands = [
+        lhs,
+        rhs,
+        *(f for f, c in ((lhs, spec.copies[0]), (rhs, spec.copies[1])) if c for f in (f, [])),
+    ]
+    results = [out, *([lhs, [], rhs, []] if spec.save else [])]
+    return " -> ".join(", ".join(" ".join(f) for f in side) for side in (operands, results))
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -108,13 +132,34 @@ def _partition(spec: Spec, mesh: Any, arg_shapes: Any, result_shape: Any) -> Any
             rhs[d] = None
     summed = tuple(a for i in lc for a in _axes(lhs[i]))
     out = P(*[lhs[d] for d in lb], *[lhs[d] for d in lf], *[rhs[d] for d in rf])
+    local = dataclasses.replace(spec, save=False, copies=(False, False))
 
-    def lower(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-        result = _compute(spec, lhs, rhs)
-        return lax.psum(result, summed) if summed else result
+    def lower(lhs: jax.Array, rhs: jax.Array, *given: jax.Array) -> Any:
+        del given  # Each device quantizes its own blocks, not the copies.
+        result = _compute(local, lhs, rhs)
+        if summed:
+            result = lax.psum(result, summed)
+        if not spec.save:
+            return result
+        # The copies to be saved, for a backward pass that is not partitioned
+        # (the program drops them otherwise): scaled per tensor.
+        saved: list[jax.Array] = []
+        for x, fmt, entries in ((lhs, spec.formats[0], lhs_spec), (rhs, spec.formats[1], rhs_spec)):
+            axes = tuple(a for e in entries for a in _axes(e))
+            scale = fp8_scale(x, fmt[1])
+            scale = lax.pmax(scale, axes) if axes else scale
+            saved += [fp8_quantize(x, scale, *fmt), scale]
+        return (result, *saved)
 
-    shardings = (NamedSharding(mesh, P(*lhs)), NamedSharding(mesh, P(*rhs)))
-    return mesh, lower, NamedSharding(mesh, out), shardings
+    lhs_spec, rhs_spec = lhs, rhs
+    lhs_sharding, rhs_sharding = NamedSharding(mesh, P(*lhs)), NamedSharding(mesh, P(*rhs))
+    replicated = NamedSharding(mesh, P())
+    copied = [(s, replicated) for s, c in zip((lhs_sharding, rhs_sharding), spec.copies) if c]
+    args = (lhs_sharding, rhs_sharding, *(s for pair in copied for s in pair))
+    results: Any = NamedSharding(mesh, out)
+    if spec.save:
+        results = (results, lhs_sharding, replicated, rhs_sharding, replicated)
+    return mesh, lower, results, args
 
 
 @functools.cache
@@ -124,22 +169,25 @@ def _product(spec: Spec) -> Callable:
 
     # `custom_partitioning` has no batching rule: under `vmap`, the product as written.
     @jax.custom_batching.custom_vmap
-    def product(lhs, rhs):
-        return partitioned(spec, lhs, rhs)
+    def product(*operands):
+        return partitioned(spec, *operands)
 
     @product.def_vmap
-    def _vmapped(axis_size, in_batched, lhs, rhs):
+    def _vmapped(axis_size, in_batched, *operands):
         in_axes = [0 if b else None for b in in_batched]
-        out = jax.vmap(functools.partial(_compute, spec), in_axes, axis_size=axis_size)(lhs, rhs)
-        return out, True
+        compute = functools.partial(_compute, spec)
+        out = jax.vmap(compute, in_axes, axis_size=axis_size)(*operands)
+        return out, jax.tree.map(lambda _: True, out)
 
     return product
 
 
-def scaled_product(spec: Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+def scaled_product(spec: Spec, lhs: jax.Array, rhs: jax.Array, *copies: jax.Array) -> Any:
     """The per-tensor FP8 product `spec` describes, in `spec.results`; each
-    device's blocks scaled on their own where `jit` partitions it."""
-    return _product(spec)(lhs, rhs)
+    device's blocks scaled on their own where `jit` partitions it. With
+    `spec.save`, also the FP8 copies of lhs and rhs and their scales;
+    `copies`: those `spec.copies` names, each a copy and its scale."""
+    return _product(spec)(lhs, rhs, *copies)
 
 
 def transposed_dims(dims: Dims, ndims: tuple[int, int], side: str) -> tuple[Dims, tuple[int, ...]]:
