@@ -340,17 +340,18 @@ def _per_tensor_product(
         if residuals == "operands":
             return cast(_straight_through(forward, lhs, rhs), out_dtype), (lhs, rhs)
         # Saved quantized, the operands have no tangents (differentiating them
-        # raises). The backward products take the forward's own FP8 copies
-        # where the program is not partitioned, the operands where it is (each
-        # device quantizes its blocks again); XLA drops whichever is not read.
+        # raises). Saved are the FP8 copies, which a backward pass that is not
+        # partitioned takes (per tensor, the very copies the forward product
+        # takes, once XLA has merged the two), and the operands, which a
+        # partitioned one quantizes per device; XLA drops whichever is not read.
         lhs, rhs = to_be_saved_quantized((lhs, rhs))
-        out, *copies = shard_local.scaled_product(dataclasses.replace(forward, save=True), lhs, rhs)
+        out = shard_local.scaled_product(forward, lhs, rhs)
+        copies = (*shard_local.fp8_copy(lhs, e4m3), *shard_local.fp8_copy(rhs, e4m3))
         return cast(out, out_dtype), (lhs, rhs, *copies)
 
     def bwd(res, g):
         if residuals == "quantized":  # One e5m2 copy of `g` for both products.
-            scale = fp8_scale(g, E5M2_MAX)
-            g_copy = (fp8_quantize(g, scale, E5M2, E5M2_MAX), scale)
+            g_copy = shard_local.fp8_copy(g, e5m2)
         bars = []
         for side, dtype in (("lhs", lhs_dtype), ("rhs", rhs_dtype)):
             other = res[1] if side == "lhs" else res[0]

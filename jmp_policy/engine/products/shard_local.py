@@ -13,6 +13,12 @@ the contraction is sharded on (in the results dtype, as a bf16 product's sum
 is). So the scales never meet a collective, and a sharded FP8 program sends
 what its bf16 twin sends. Where nothing is partitioned (one device,
 `shard_map`, `pmap`, `vmap`) the product is the per-tensor product as written.
+
+What the backward pass takes depends on the same: a program that is not
+partitioned takes FP8 copies saved in the forward pass (`fp8_copy`: half the
+memory of the operands), a partitioned one the operands, each device
+quantizing its blocks again (as torchao saves its bf16 inputs). Both are
+saved; XLA drops what the compiled program does not read.
 """
 
 from __future__ import annotations
@@ -41,11 +47,8 @@ class Spec:
     """One product's static description: `dot_general`'s dimension numbers,
     the operands' ranks and FP8 formats, the results dtype and precision.
 
-    `save`: the product also gives each operand's FP8 copy and its scale, to
-    be saved for the backward pass. `copies`: which operands come with such
-    a copy and scale, which the product takes where it is not partitioned (a
-    partitioned product quantizes each device's blocks itself, and the
-    program no longer reads the copy).
+    `copies`: which operands come with an FP8 copy and its scale
+    (`fp8_copy`'s), which the product takes where it is not partitioned.
     """
 
     dims: Dims
@@ -53,7 +56,6 @@ class Spec:
     formats: tuple[Format, Format]
     results: np.dtype
     precision: Any = None
-    save: bool = False
     copies: tuple[bool, bool] = (False, False)
 
 
@@ -66,45 +68,21 @@ def free_dims(dims: Dims, ndims: tuple[int, int]) -> tuple[list[int], list[int]]
     )
 
 
-def _quantized(x: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
+def _copy(fmt: Format, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     scale = fp8_scale(x, fmt[1])
     return fp8_quantize(x, scale, *fmt), scale
 
 
-def _compute(spec: Spec, lhs: jax.Array, rhs: jax.Array, *copies: jax.Array) -> Any:
+def _compute(spec: Spec, lhs: jax.Array, rhs: jax.Array, *copies: jax.Array) -> jax.Array:
     """The product of the arrays one device holds (all of them, unpartitioned)."""
     given = iter(copies)
     (ql, sl), (qr, sr) = (
-        (next(given), next(given)) if copied else _quantized(x, fmt)
+        (next(given), next(given)) if copied else _copy(fmt, x)
         for x, fmt, copied in zip((lhs, rhs), spec.formats, spec.copies)
     )
     product = dot_product(spec.dims, spec.precision)(ql, qr, spec.results)
     # One scale after the other: their product could underflow on its own.
-    out = (product.astype(F32) * sl * sr).astype(spec.results)
-    return (out, ql, sl, qr, sr) if spec.save else out
-
-
-def _factors(spec: Spec) -> tuple[list[str], list[str], list[str]]:
-    """Shardy factor names of lhs, rhs and the result: a `dot_general`'s einsum."""
-    (lc, rc), (lb, rb) = spec.dims
-    lhs = [f"l{d}" for d in range(spec.ndims[0])]
-    rhs = [f"r{d}" for d in range(spec.ndims[1])]
-    for i, j in zip((*lc, *lb), (*rc, *rb)):
-        rhs[j] = lhs[i]
-    lf, rf = free_dims(spec.dims, spec.ndims)
-    return lhs, rhs, [lhs[d] for d in lb] + [lhs[d] for d in lf] + [rhs[d] for d in rf]
-
-
-def _sharding_rule(spec: Spec, mesh: Any, operand_types: Any, result_types: Any) -> str:
-    del mesh, operand_types, result_types
-    lhs, rhs, out = _factors(spec)
-    operands = [
-        lhs,
-        rhs,
-        *(f for f, c in ((lhs, spec.copies[0]), (rhs, spec.copies[1])) if c for f in (f, [])),
-    ]
-    results = [out, *([lhs, [], rhs, []] if spec.save else [])]
-    return " -> ".join(", ".join(" ".join(f) for f in side) for side in (operands, results))
+    return (product.astype(F32) * sl * sr).astype(spec.results)
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -113,16 +91,38 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _partition(spec: Spec, mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
+def _spec_of(shape: Any) -> list[Any]:
+    """The partition spec of an argument of a partitioning callback, one entry a dimension."""
+    spec = list(shape.sharding.spec)
+    return spec + [None] * (len(shape.shape) - len(spec))
+
+
+def _names(prefix: str, ndim: int) -> list[str]:
+    return [f"{prefix}{d}" for d in range(ndim)]
+
+
+def _product_rule(spec: Spec, mesh: Any, operand_types: Any, result_types: Any) -> str:
+    """The Shardy rule of a product: `dot_general`'s einsum, each copy its operand's
+    factors and a scalar scale."""
+    del mesh, operand_types, result_types
+    (lc, rc), (lb, rb) = spec.dims
+    lhs, rhs = _names("l", spec.ndims[0]), _names("r", spec.ndims[1])
+    for i, j in zip((*lc, *lb), (*rc, *rb)):
+        rhs[j] = lhs[i]
+    lf, rf = free_dims(spec.dims, spec.ndims)
+    out = [lhs[d] for d in lb] + [lhs[d] for d in lf] + [rhs[d] for d in rf]
+    copies = [part for f, c in zip((lhs, rhs), spec.copies) if c for part in (" ".join(f), "")]
+    operands = [" ".join(lhs), " ".join(rhs), *copies]
+    return f"{', '.join(operands)} -> {' '.join(out)}"
+
+
+def _partition_product(spec: Spec, mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
     """The partitioned product: the shardings it takes and gives, and what
     each device runs (`_compute` on its blocks, then the partial results
     summed over the mesh axes that shard the contraction)."""
     del result_shape
     (lc, rc), (lb, rb) = spec.dims
-    lhs, rhs = (
-        list(a.sharding.spec) + [None] * (ndim - len(a.sharding.spec))
-        for a, ndim in zip(arg_shapes, spec.ndims)
-    )
+    lhs, rhs = _spec_of(arg_shapes[0]), _spec_of(arg_shapes[1])
     for i, j in zip((*lc, *lb), (*rc, *rb)):  # rhs follows lhs where they meet
         rhs[j] = lhs[i]
     taken = {a for entry in lhs for a in _axes(entry)}
@@ -132,62 +132,83 @@ def _partition(spec: Spec, mesh: Any, arg_shapes: Any, result_shape: Any) -> Any
             rhs[d] = None
     summed = tuple(a for i in lc for a in _axes(lhs[i]))
     out = P(*[lhs[d] for d in lb], *[lhs[d] for d in lf], *[rhs[d] for d in rf])
-    local = dataclasses.replace(spec, save=False, copies=(False, False))
+    local = dataclasses.replace(spec, copies=(False, False))
 
-    def lower(lhs: jax.Array, rhs: jax.Array, *given: jax.Array) -> Any:
-        del given  # Each device quantizes its own blocks, not the copies.
+    def lower(lhs: jax.Array, rhs: jax.Array, *copies: jax.Array) -> jax.Array:
+        del copies  # Each device quantizes its own blocks instead.
         result = _compute(local, lhs, rhs)
-        if summed:
-            result = lax.psum(result, summed)
-        if not spec.save:
-            return result
-        # The copies to be saved, for a backward pass that is not partitioned
-        # (the program drops them otherwise): scaled per tensor.
-        saved: list[jax.Array] = []
-        for x, fmt, entries in ((lhs, spec.formats[0], lhs_spec), (rhs, spec.formats[1], rhs_spec)):
-            axes = tuple(a for e in entries for a in _axes(e))
-            scale = fp8_scale(x, fmt[1])
-            scale = lax.pmax(scale, axes) if axes else scale
-            saved += [fp8_quantize(x, scale, *fmt), scale]
-        return (result, *saved)
+        return lax.psum(result, summed) if summed else result
 
-    lhs_spec, rhs_spec = lhs, rhs
-    lhs_sharding, rhs_sharding = NamedSharding(mesh, P(*lhs)), NamedSharding(mesh, P(*rhs))
+    shardings = (NamedSharding(mesh, P(*lhs)), NamedSharding(mesh, P(*rhs)))
     replicated = NamedSharding(mesh, P())
-    copied = [(s, replicated) for s, c in zip((lhs_sharding, rhs_sharding), spec.copies) if c]
-    args = (lhs_sharding, rhs_sharding, *(s for pair in copied for s in pair))
-    results: Any = NamedSharding(mesh, out)
-    if spec.save:
-        results = (results, lhs_sharding, replicated, rhs_sharding, replicated)
-    return mesh, lower, results, args
+    copies = [(s, replicated) for s, c in zip(shardings, spec.copies) if c]
+    args = (*shardings, *(s for pair in copies for s in pair))
+    return mesh, lower, NamedSharding(mesh, out), args
+
+
+def _copy_rule(fmt: Format, mesh: Any, operand_types: Any, result_types: Any) -> str:
+    del fmt, mesh, result_types
+    names = " ".join(_names("x", len(operand_types[0].shape)))
+    return f"{names} -> {names}, "
+
+
+def _partition_copy(fmt: Format, mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
+    """A partitioned copy: scaled per tensor, its amax reduced across devices.
+    Only a backward pass that is not partitioned reads it (a program whose
+    forward and backward passes are compiled apart); XLA drops it otherwise."""
+    del result_shape
+    spec = _spec_of(arg_shapes[0])
+    axes = tuple(a for entry in spec for a in _axes(entry))
+
+    def lower(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        scale = fp8_scale(x, fmt[1])
+        scale = lax.pmax(scale, axes) if axes else scale
+        return fp8_quantize(x, scale, *fmt), scale
+
+    sharding = NamedSharding(mesh, P(*spec))
+    return mesh, lower, (sharding, NamedSharding(mesh, P())), (sharding,)
+
+
+def _partitioned(fn: Callable, static: Any, partition: Callable, rule: Callable) -> Callable:
+    """`fn(static, *arrays)` as a `custom_partitioning`, and under `vmap` (which
+    it has no rule for) `fn` as written."""
+    partitioned = custom_partitioning(fn, static_argnums=(0,))
+    partitioned.def_partition(partition=partition, sharding_rule=rule)
+
+    @jax.custom_batching.custom_vmap
+    def call(*arrays):
+        return partitioned(static, *arrays)
+
+    @call.def_vmap
+    def _vmapped(axis_size, in_batched, *arrays):
+        in_axes = [0 if b else None for b in in_batched]
+        out = jax.vmap(functools.partial(fn, static), in_axes, axis_size=axis_size)(*arrays)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return call
 
 
 @functools.cache
 def _product(spec: Spec) -> Callable:
-    partitioned = custom_partitioning(_compute, static_argnums=(0,))
-    partitioned.def_partition(partition=_partition, sharding_rule=_sharding_rule)
-
-    # `custom_partitioning` has no batching rule: under `vmap`, the product as written.
-    @jax.custom_batching.custom_vmap
-    def product(*operands):
-        return partitioned(spec, *operands)
-
-    @product.def_vmap
-    def _vmapped(axis_size, in_batched, *operands):
-        in_axes = [0 if b else None for b in in_batched]
-        compute = functools.partial(_compute, spec)
-        out = jax.vmap(compute, in_axes, axis_size=axis_size)(*operands)
-        return out, jax.tree.map(lambda _: True, out)
-
-    return product
+    return _partitioned(_compute, spec, _partition_product, _product_rule)
 
 
-def scaled_product(spec: Spec, lhs: jax.Array, rhs: jax.Array, *copies: jax.Array) -> Any:
+@functools.cache
+def _copier(fmt: Format) -> Callable:
+    return _partitioned(_copy, fmt, _partition_copy, _copy_rule)
+
+
+def scaled_product(spec: Spec, lhs: jax.Array, rhs: jax.Array, *copies: jax.Array) -> jax.Array:
     """The per-tensor FP8 product `spec` describes, in `spec.results`; each
-    device's blocks scaled on their own where `jit` partitions it. With
-    `spec.save`, also the FP8 copies of lhs and rhs and their scales;
-    `copies`: those `spec.copies` names, each a copy and its scale."""
+    device's blocks scaled on their own where `jit` partitions it. `copies`:
+    the FP8 copy and scale of each operand `spec.copies` names."""
     return _product(spec)(lhs, rhs, *copies)
+
+
+def fp8_copy(x: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
+    """`x` scaled per tensor to `fmt`, and its scale: what a product that is
+    not partitioned takes for `x` (see `Spec.copies`)."""
+    return _copier(fmt)(x)
 
 
 def transposed_dims(dims: Dims, ndims: tuple[int, int], side: str) -> tuple[Dims, tuple[int, ...]]:
