@@ -166,3 +166,31 @@ def test_forward_over_reverse_works():
     ours = jax.jit(jax.hessian(lambda v: (jmp.half_dot_general(x, v, MATMUL) ** 2).sum()))(w)
     exact = jax.hessian(lambda v: ((x @ v) ** 2).sum())(w)
     np.testing.assert_allclose(ours, exact, atol=2**-7 * 2)
+
+
+def test_deepminds_jmp_policy_is_named_as_another_librarys_with_the_way_over():
+    real_jmp = pytest.importorskip("jmp")
+    theirs = real_jmp.get_policy("params=float32,compute=bfloat16,output=float32")
+    for call, name in [
+        (lambda: jmp.get_policy(theirs), "policy_name"),
+        (lambda: jmp.autocast(lambda x: x, theirs), "policy"),
+        (lambda: jmp.with_policy(lambda x: x, theirs), "policy"),
+        (lambda: jnnx.PolicyModule(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), theirs), "policy"),
+    ]:
+        with pytest.raises(
+            TypeError, match=rf"^{name} must be .* \(a jmp\.Policy, another library"
+        ):
+            call()
+    same = jmp.Policy(theirs.param_dtype, theirs.compute_dtype, theirs.output_dtype)
+    assert same == jmp.get_policy("p=f32,c=bf16,o=f32")
+    with pytest.raises(TypeError, match="^policy must be a policy spec string.*got 3"):
+        jmp.autocast(lambda x: x, 3)
+
+
+def test_a_linen_module_itself_is_refused_for_its_apply():
+    import flax.linen as nn
+
+    with pytest.raises(
+        TypeError, match=r"got the module Dense itself; .*with_policy\(model\.apply"
+    ):
+        jmp.with_policy(nn.Dense(3), "mixed_bfloat16")

@@ -156,6 +156,50 @@ def test_a_loop_body_keeps_its_carrys_dtypes():
     assert seen == [(BF16, BF16)]  # The output dtype, not the carry's.
 
 
+def test_a_half_carry_given_to_a_loop_a_float32_body_updates_stays_half():
+    # The program as written is float32: a bf16 carry from the caller, updated
+    # by a product (`c + x @ w`), would change type, so JAX refuses it as
+    # written. The model's half config runs it, and so does the policy: the
+    # carry comes back in the dtype it came in.
+    w = jnp.full((4, 4), 0.1, F32)
+    c0, xs = jnp.full((2, 4), 0.5, BF16), jnp.ones((3, 2, 4), F32)
+
+    def scan(w, c0, xs):
+        return lax.scan(lambda c, x: (c + x @ w, None), c0, xs)[0]
+
+    def fori(w, c0, xs):
+        return lax.fori_loop(0, 3, lambda i, c: c + xs[i] @ w, c0)
+
+    def while_(w, c0, xs):
+        body = lambda s: (s[0] + 1, s[1] + xs[s[0]] @ w)  # noqa: E731
+        return lax.while_loop(lambda s: s[0] < 3, body, (0, c0))[1]
+
+    by_hand = c0 + 3 * (jnp.ones((2, 4), BF16) @ w.astype(BF16))
+    for loop in (scan, fori, while_):
+        with jax.numpy_dtype_promotion("standard"):  # bf16 + float32, as users write it
+            with pytest.raises(TypeError, match="carry input and carry output must have equal"):
+                loop(w, c0, xs)
+            c = autocast(loop, "mixed_bfloat16")(w, c0, xs)
+        assert c.dtype == BF16, loop
+        np.testing.assert_allclose(c.astype(F32), by_hand.astype(F32), rtol=1e-2)
+
+
+def test_a_linen_scan_behind_to_nnx_keeps_a_half_carry_under_policy_module():
+    class Cell(nn.Module):
+        @nn.compact
+        def __call__(self, c, x):
+            c = c + nn.Dense(4)(x)
+            return c, c
+
+    scan = nn.scan(Cell, variable_broadcast="params", split_rngs={"params": False}, in_axes=1)
+    c0, xs = jnp.zeros((2, 4), BF16), jnp.ones((2, 3, 4), F32)
+    model = nnx.bridge.ToNNX(scan(), rngs=nnx.Rngs(0))
+    nnx.bridge.lazy_init(model, c0.astype(F32), xs)
+    with jax.numpy_dtype_promotion("standard"):  # bf16 + float32 in the cell
+        c, ys = jmp.nnx.PolicyModule(model, "mixed_bfloat16")(c0, xs)
+    assert (c.dtype, ys.dtype) == (BF16, F32)  # the carry as given; the result as output
+
+
 @pytest.mark.parametrize("front_end", ["with_policy", "autocast"])
 def test_a_body_with_arguments_bound_beforehand_is_the_loops_body(front_end):
     # `lax.scan(functools.partial(apply, variables), ...)`: the loop calls it,

@@ -474,6 +474,24 @@ def _parse_matmul(value: str) -> tuple[np.dtype, str]:
         ) from None
 
 
+def policy_argument(value: Any, name: str = "policy") -> str | Policy:
+    """`value` if it is a spec string or a `Policy`; a `TypeError` naming `name` otherwise
+    (DeepMind jmp's `Policy`, which Haiku takes, named as such, with the way over)."""
+    if isinstance(value, (str, Policy)):
+        return value
+    foreign = ""
+    if all(hasattr(value, f"{k}_dtype") for k in ("param", "compute", "output")):
+        of = f"{type(value).__module__.split('.')[0]}.{type(value).__qualname__}"
+        foreign = (
+            f" (a {of}, another library's class; jmp_policy.Policy(p.param_dtype, "
+            "p.compute_dtype, p.output_dtype) is the same policy)"
+        )
+    raise TypeError(
+        f"{name} must be a policy spec string such as 'mixed_bfloat16' or a "
+        f"jmp_policy.Policy, got {value!r}{foreign}."
+    )
+
+
 def get_policy(policy_name: str | Policy) -> Policy:
     """Parses a policy from a spec string (jmp's grammar, plus presets).
 
@@ -519,11 +537,9 @@ def get_policy(policy_name: str | Policy) -> Policy:
     >>> str(jmp.get_policy("p=f32,c=bf16,o=f32,m=bf16,r=f32"))
     'p=full,c=bf16,o=full,m=bf16,r=full'
     """
-    spec = policy_name
+    spec = policy_argument(policy_name, "policy_name")
     if isinstance(spec, Policy):
         return spec
-    if not isinstance(spec, str):
-        raise TypeError(f"get_policy expects a spec string or a Policy, got {spec!r}.")
     text = _PRESETS.get(spec.strip(), spec)
     head, _, tail = text.partition(",")
     if head.strip() in _PRESETS:

@@ -510,10 +510,14 @@ def _traced_and_run(traced_fn: Callable, values: list, rules: Rules | None) -> t
             closed = jax.make_jaxpr(traced_fn)(*values)
         except TypeError as e:
             # A write into a buffer of another dtype (a bf16 cache given to a
-            # float32 program) is refused as written. Traced with its floating
-            # arguments in float32, the program type-checks; run
-            # on the values as given, each write takes its buffer's dtype.
-            if rules is None or not ji.is_write_dtype_mismatch(e):
+            # float32 program), or a loop whose float32 body changes a bf16
+            # carry given to it, is refused as written. Traced with its
+            # floating arguments in float32, the program type-checks; run on
+            # the values as given, each write takes its buffer's dtype and
+            # each carry the dtype it came in.
+            if rules is None or not (
+                ji.is_write_dtype_mismatch(e) or ji.is_loop_carry_type_change(e)
+            ):
                 raise
             closed = jax.make_jaxpr(traced_fn)(*_widened(values))
         if rules is None:

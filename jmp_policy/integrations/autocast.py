@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from jmp_policy.core.policy import Policy, get_policy
+from jmp_policy.core.policy import Policy, get_policy, policy_argument
 from jmp_policy.engine.data_flow import ReturnsState, cast_results
 from jmp_policy.engine.decision import (
     FLOAT32_PRIMITIVES,
@@ -189,7 +189,7 @@ def autocast(
     """
     if not callable(fn):
         raise TypeError(f"autocast expects a function as its first argument, got {fn!r}.")
-    policy = get_policy(policy)
+    policy = get_policy(policy_argument(policy))
     c, m, scaling, r = policy_products(policy)
     rules = Rules(
         compute_dtype=c,

@@ -36,7 +36,7 @@ from jmp_policy.core import jax_internals
 from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
-from jmp_policy.core.policy import Policy, get_policy
+from jmp_policy.core.policy import Policy, get_policy, policy_argument
 from jmp_policy.engine.data_flow import Flow, ReturnsState, as_given, cast_results
 from jmp_policy.engine.decision import policy_products, product_rules
 from jmp_policy.engine.interpreter import flow_recording_runner, product_scope
@@ -219,7 +219,7 @@ def _with_policy(
             f"jmp_policy.nnx.with_policy expects a flax.nnx.Module, got {module!r}; "
             "for a linen model.apply or a plain function use jmp_policy.with_policy."
         )
-    policy = get_policy(policy)
+    policy = get_policy(policy_argument(policy))
     rule_set = RuleSet(rules, nnx.Module, "blocks/*/norm")
     mixed = nnx.clone(module)
     _rebind_closures(module, mixed)
@@ -392,7 +392,7 @@ class PolicyModule(nnx.Module):
         keep_inputs: str | Iterable[str] = (),
         returns_state: ReturnsState = None,
     ) -> None:
-        self.policy = get_policy(policy)
+        self.policy = get_policy(policy_argument(policy))
         self.returns_state = returns_state
         self.module, policies, named, norms, written = _with_policy(module, self.policy, rules)
 

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jmp_policy.core import jax_internals
 from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES
-from jmp_policy.core.policy import get_policy
+from jmp_policy.core.policy import get_policy, policy_argument
 from jmp_policy.engine.data_flow import Flow, ReturnsState, as_given, cast_results
 from jmp_policy.engine.decision import product_rules
 from jmp_policy.engine.interpreter import trace_and_eval
@@ -271,7 +271,7 @@ def with_policy(
     (dtype('float32'), dtype('float32'))
     """
     _check_function(fn)
-    policy = get_policy(policy)
+    policy = get_policy(policy_argument(policy))
     rule_set = RuleSet(rules, nn.Module, "decoder/*/LayerNorm_*")
     if not isinstance(remat_norms, bool):
         raise TypeError(f"remat_norms must be True or False, got {remat_norms!r}.")
@@ -381,6 +381,11 @@ def _check_function(fn: Any) -> None:
         )
     if not callable(fn):
         raise TypeError(f"with_policy expects a function as its first argument, got {fn!r}.")
+    if isinstance(fn, nn.Module):
+        raise TypeError(
+            f"with_policy takes a linen model's apply or init (model.apply), got the "
+            f"module {type(fn).__name__} itself; use with_policy(model.apply, policy)."
+        )
     if isinstance(fn, nnx.Module) or isinstance(getattr(fn, "__self__", None), nnx.Module):
         name = type(getattr(fn, "__self__", fn)).__name__
         raise TypeError(
