@@ -254,15 +254,15 @@ def unread_parameters(text: str) -> list[int]:
     return sorted(n for name, n in parameters.items() if name not in read)
 
 
-def residuals_read(fn: Any, *args: Any) -> list[Any]:
-    """The values saved for `fn(*args)`'s backward pass that the backward pass,
-    compiled for one device, reads (XLA drops the others: a product's FP8
-    copies serve a program that is not partitioned, its operands one that is)."""
+def residuals_read(fn: Any, *args: Any) -> list[int]:
+    """The places, among the values saved for `fn(*args)`'s backward pass
+    (in `jax.vjp`'s order, as `saved_residuals` lists them), of those that the
+    backward pass, compiled for one device, reads: XLA drops the others (an
+    FP8 product saves copies for a program that is not partitioned and its
+    operands for one that is)."""
     import jax
 
     out, vjp = jax.vjp(fn, *args)
-    saved = jax.tree.leaves(vjp)
     compiled = jax.jit(lambda v, g: v(g), keep_unused=True).lower(vjp, out).compile()
-    text = compiled.as_text() or ""
-    unread = set(unread_parameters(text))
-    return [x for i, x in enumerate(saved) if i not in unread]
+    unread = set(unread_parameters(compiled.as_text() or ""))
+    return [i for i in range(len(jax.tree.leaves(vjp))) if i not in unread]

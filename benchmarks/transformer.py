@@ -38,7 +38,8 @@ Dense head; batch 16 x 32 tokens) as a function of its float32 parameters, in se
    gradient) in each backward product, twice as many as forward.
 2. Residual bytes: the values JAX saves on the forward pass for the backward
    pass (`jmp_policy.core.diagnostics.saved_residuals`, read from
-   `jax.ad_checkpoint.print_saved_residuals`), summed as `size * itemsize`,
+   `jax.ad_checkpoint.print_saved_residuals`) that the backward pass,
+   compiled for one device, reads, summed as `size * itemsize`,
    parameters that are saved included, with the ratio to float32. The target
    of issue 4: with_policy (mixed_bfloat16) <= 0.55 of float32. The float32
    residuals of with_policy are itemised by where they come from.
@@ -77,6 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import _compiled_hlo
 import jmp_policy
 from jmp_policy.app import transformer_lm
 from jmp_policy.core.diagnostics import saved_residuals
@@ -115,8 +117,11 @@ def make_variants(lm: ModuleType, vocab_size: int) -> tuple[Any, list[Variant]]:
 def residuals(
     lm: ModuleType, apply: Callable, params: Any, batch: jax.Array
 ) -> list[tuple[Any, str]]:
-    """The `(aval, where it comes from)` pairs saved for the backward pass of the loss."""
-    return saved_residuals(functools.partial(lm.loss_fn, apply), params, batch)
+    """The `(aval, where it comes from)` pairs saved for the backward pass of
+    the loss that the backward pass, compiled for one device, reads."""
+    loss = functools.partial(lm.loss_fn, apply)
+    saved = saved_residuals(loss, params, batch)
+    return [saved[i] for i in _compiled_hlo.residuals_read(loss, params, batch)]
 
 
 def nbytes(res: Sequence[tuple[Any, str]]) -> int:

@@ -391,19 +391,22 @@ def test_jit_over_8_devices_gives_the_single_device_step(policy):
     x, y = _normal(rng, (32, 6)), _normal(rng, (32, 8))
     params = jmp.with_policy(model.init, policy)(jax.random.key(1), x)
     tx = jmp.loss_scaled(optax.sgd(0.1), jmp.DynamicLossScale(2.0**15))
-    apply = jmp.with_policy(model.apply, policy)
 
-    def step(params, opt_state, x, y):
-        loss_scale = jmp.get_loss_scale(opt_state)
+    def step_of(apply):
+        def step(params, opt_state, x, y):
+            loss_scale = jmp.get_loss_scale(opt_state)
 
-        def loss_fn(p):
-            loss = jnp.mean((apply(p, x) - y) ** 2)
-            return loss_scale.scale(loss), loss
+            def loss_fn(p):
+                loss = jnp.mean((apply(p, x) - y) ** 2)
+                return loss_scale.scale(loss), loss
 
-        grads, loss = jax.grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+            grads, loss = jax.grad(loss_fn, has_aux=True)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
 
+        return step
+
+    step = step_of(jmp.with_policy(model.apply, policy))
     single = jax.jit(step)(params, tx.init(params), x, y)
     data = NamedSharding(mesh, P("data"))
     replicated = NamedSharding(mesh, P())
@@ -422,14 +425,22 @@ def test_jit_over_8_devices_gives_the_single_device_step(policy):
     # kernels' norm; none under `r=f32`). The biases' gradients are bfloat16
     # sums over the batch, which XLA adds up per device first (measured: 0.9%
     # off; 1e-7 under a float32 compute dtype).
+    # NVFP4 rounds gradients stochastically, from each value's bits and place
+    # in the blocks a device holds: sharded, the noise is other than one
+    # device's. Both are held to float32's step (measured: 0.23 and 0.10 of
+    # the body's bias, the one leaf the noise moves beyond 2%).
     rounded = policy in ("mixed_float8", "mixed_mxfp8", "mixed_nvfp4")
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(single)):
-        a, b = np.asarray(a), np.asarray(b)
-        assert a.shape == b.shape and (_rel(a, b) < 0.02 if np.any(b) else not np.any(a))
+    exact = jax.jit(step_of(model.apply))(params, tx.init(params), x, y)
+    for a, b, c in zip(*(map(np.asarray, jax.tree.leaves(s)) for s in (out, single, exact))):
+        assert a.shape == b.shape
+        if policy == "mixed_nvfp4":
+            assert _rel(a, c) < 0.3 and _rel(b, c) < 0.3 if np.any(c) else not np.any(a)
+        else:
+            assert _rel(a, b) < 0.02 if np.any(b) else not np.any(a)
     for layer in ("body", "head"):
         kernels = [s[0]["params"][layer]["kernel"] for s in (out, single)]
-        if rounded:
-            assert _rel(*kernels) < 1e-3
+        if rounded:  # NVFP4's noise: measured 2.6e-3
+            assert _rel(*kernels) < (1e-2 if policy == "mixed_nvfp4" else 1e-3)
         else:
             np.testing.assert_allclose(*kernels, rtol=1e-6, atol=1e-8)
     assert int(out[1].total_notfinite) == 0

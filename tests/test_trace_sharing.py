@@ -358,10 +358,10 @@ def test_a_shared_rewrite_keeps_no_function_or_module_alive():
 
 def fp8_traces(depth):
     """How many times the per-tensor FP8 product is traced, tracing `depth` layers."""
-    from jmp_policy.engine.products import fp8
+    from jmp_policy.engine.products import fp8, shard_local
 
     matmul.clear_shared_products()
-    with mock.patch.object(fp8, "_per_tensor_product", wraps=fp8._per_tensor_product) as seen:
+    with mock.patch.object(shard_local, "product", wraps=shard_local.product) as seen:
         jax.make_jaxpr(jax.grad(stack(fp8.fp8_dot_general, depth)))(*operands(depth))
     return seen.call_count
 

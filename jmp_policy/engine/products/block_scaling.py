@@ -29,10 +29,14 @@ not serve: it asserts whole blocks, takes NVFP4's tensor scale as a fixed
 argument, leaves NVFP4's backward products unquantized and rounds nothing
 stochastically.)
 
-What the forward pass saves is `residuals`' choice: the quantized copies
-the backward products take, or the operands, quantized again in the backward
-pass inside a `jax.custom_jvp` whose tangent is the plain product (as in
-`fp8`), for forward-over-reverse differentiation.
+The products are `shard_local`'s (`BlockScaling` is the quantizer): under
+`jit` over a mesh each device forms the blocks of the part of an operand it
+holds, along the contraction, so no block straddles devices and no weight is
+gathered in a block layout of its own. What the forward pass saves is
+`residuals`' choice, as there: the quantized copies the backward products
+take (and the operands, for a partitioned backward pass), or the operands,
+quantized again in the backward pass, for forward-over-reverse
+differentiation.
 """
 
 from __future__ import annotations
@@ -49,10 +53,9 @@ import numpy as np
 from jax import lax
 
 from jmp_policy.core import jax_internals as ji
-from jmp_policy.core.dtypes import F32, at_least_normal, cast, pow2_at_least, widest
-from jmp_policy.engine.products import cpu_form
-from jmp_policy.engine.products.half import decided, dot_product, shared_factory
-from jmp_policy.engine.residuals import to_be_saved_quantized
+from jmp_policy.core.dtypes import F32, at_least_normal, cast, pow2_at_least
+from jmp_policy.engine.products import cpu_form, shard_local
+from jmp_policy.engine.products.half import shared_factory
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E2M1 = np.dtype(jnp.float4_e2m1fn)
@@ -128,6 +131,20 @@ def _hadamard_16() -> np.ndarray:
 
 
 _RHT = _hadamard_16()
+# Its signs as the bits of one number: the traced matrix holds no array
+# constant (a `custom_partitioning`'s function may not).
+_RHT_SIGNS = sum(1 << i for i, row in enumerate(_RHT) if row[0] < 0)
+
+
+def _traced_hadamard_16() -> jax.Array:
+    """`_RHT`, computed in the program from indices."""
+    i = lax.broadcasted_iota(np.uint32, (16, 16), 0)
+    j = lax.broadcasted_iota(np.uint32, (16, 16), 1)
+    odd = lax.population_count(i & j) & np.uint32(1)
+    negative = odd ^ (lax.shift_right_logical(np.uint32(_RHT_SIGNS), i) & np.uint32(1))
+    return jnp.where(negative == 1, np.float32(-0.25), np.float32(0.25))
+
+
 # The name scope of the transform: a program's debug locations show its products.
 HADAMARD_SCOPE = "jmp_policy_hadamard"
 
@@ -151,7 +168,8 @@ def quantize_blocks(
     x = _pad_to_blocks(lax.stop_gradient(x).astype(F32), max(fmt.block, 16 * hadamard))
     if hadamard:
         with jax.named_scope(HADAMARD_SCOPE):
-            x = jnp.matmul(x.reshape(*x.shape[:-1], -1, 16), _RHT, precision="highest")
+            rht = _traced_hadamard_16()
+            x = jnp.matmul(x.reshape(*x.shape[:-1], -1, 16), rht, precision="highest")
         x = x.reshape(*x.shape[:-2], -1)
     blocks = x.reshape(*x.shape[:-1], -1, fmt.block)
     amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
@@ -206,6 +224,9 @@ def _scaled_matmul(a, b, a_scales, b_scales, *, results):
     return ji.varying_alike(out, a, b)[0]
 
 
+_BATCHED = (((2,), (2,)), ((0,), (0,)))  # (B, M, K) x (B, N, K) -> (B, M, N)
+
+
 def _emulated_matmul(a, b, a_scales, b_scales, *, results):
     """`jax.nn.scaled_matmul`'s arithmetic in float32: what JAX's own CPU form does
     (jax 0.12), and what jax 0.10 has none of."""
@@ -218,79 +239,59 @@ def _emulated_matmul(a, b, a_scales, b_scales, *, results):
     return lax.dot_general(a, b, _BATCHED, lax.Precision.HIGHEST, preferred_element_type=results)
 
 
-# ------------------------------------------------------------ layouts
-
-
-class _Layout:
-    """A `dot_general`'s operands as `(B, M, K)` and `(B, N, K)`, its result as `(B, M, N)`."""
-
-    def __init__(self, dims: Any, lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...]):
-        (lc, rc), (lb, rb) = dims
-        lf = [d for d in range(len(lhs_shape)) if d not in (*lc, *lb)]
-        rf = [d for d in range(len(rhs_shape)) if d not in (*rc, *rb)]
-        self.lhs_perm, self.rhs_perm = (*lb, *lf, *lc), (*rb, *rf, *rc)
-        self.lhs_shape, self.rhs_shape = lhs_shape, rhs_shape
-
-        def size(shape, axes):
-            return math.prod(shape[a] for a in axes)
-
-        self.b, self.m, self.k = size(lhs_shape, lb), size(lhs_shape, lf), size(lhs_shape, lc)
-        self.n = size(rhs_shape, rf)
-        self.out_shape = tuple(lhs_shape[a] for a in (*lb, *lf)) + tuple(rhs_shape[a] for a in rf)
-
-    def lhs(self, x: jax.Array) -> jax.Array:
-        return lax.transpose(x, self.lhs_perm).reshape(self.b, self.m, self.k)
-
-    def rhs(self, x: jax.Array) -> jax.Array:
-        return lax.transpose(x, self.rhs_perm).reshape(self.b, self.n, self.k)
-
-    def out(self, x: jax.Array) -> jax.Array:
-        return x.reshape(self.b, self.m, self.n)
-
-    def back(self, x3: jax.Array, side: str) -> jax.Array:
-        """`(B, M, K)` (`side="lhs"`) or `(B, N, K)` back in the operand's own layout."""
-        perm, shape = (
-            (self.lhs_perm, self.lhs_shape) if side == "lhs" else (self.rhs_perm, self.rhs_shape)
-        )
-        x = x3.reshape([shape[a] for a in perm])
-        return lax.transpose(x, tuple(np.argsort(perm)))
-
-
-def _t(x: jax.Array) -> jax.Array:
-    return jnp.swapaxes(x, 1, 2)
-
-
-_BATCHED = (((2,), (2,)), ((0,), (0,)))  # (B, M, K) x (B, N, K) -> (B, M, N)
-
-
-def _plain(a: jax.Array, b: jax.Array) -> jax.Array:
-    """`a @ b.T` per batch in their widest dtype, float32 accumulation."""
-    c = widest([a.dtype, b.dtype])
-    return dot_product(_BATCHED)(cast(a, c), cast(b, c), F32)
-
-
-Quantizer = Callable[[jax.Array], Blocks]
-
-
-def _straight_through(
-    a: jax.Array, b: jax.Array, qa: Quantizer, qb: Quantizer, results: np.dtype
-) -> jax.Array:
-    """`block_matmul(qa(a), qb(b), results)`, whose tangent is the plain product
-    of the tangents (the rounding counted as the identity, as in `fp8`)."""
-
-    @jax.custom_jvp
-    def f(a, b):
-        return block_matmul(qa(a), qb(b), results)
-
-    @f.defjvp
-    def f_jvp(primals, tangents):
-        (a, b), (da, db) = primals, tangents
-        return f(a, b), _plain(da, b) + _plain(a, db)
-
-    return f(a, b)
-
-
 # ------------------------------------------------------------ the product
+
+
+def as_rows(x: jax.Array, dims: Any, side: str) -> jax.Array:
+    """`side`'s operand of a `dot_general` laid out as `(batch, rows, contraction)`."""
+    (lc, rc), (lb, rb) = dims
+    contracting, batch = (lc, lb) if side == "lhs" else (rc, rb)
+    free = [d for d in range(x.ndim) if d not in (*contracting, *batch)]
+
+    sizes = [math.prod(x.shape[a] for a in axes) for axes in (batch, free, contracting)]
+    return lax.transpose(x, (*batch, *free, *contracting)).reshape(sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaling:
+    """A block format as a quantizer of `shard_local`'s products: an operand's
+    copy is its `Blocks` along the product's contraction."""
+
+    fmt: BlockFormat
+    stochastic: bool = False
+    hadamard: bool = False
+    arity = 3  # arrays in a copy
+
+    def copy(self, x: jax.Array, dims: Any, side: str) -> tuple[jax.Array, ...]:
+        rows = as_rows(x, dims, side)
+        return tuple(
+            quantize_blocks(rows, self.fmt, stochastic=self.stochastic, hadamard=self.hadamard)
+        )
+
+    def product(
+        self, dims: Any, precision: Any, results: np.dtype, lhs: Any, rhs: Any, out_shape: Any
+    ) -> jax.Array:
+        """The product of two copies, scaled back, in `results`."""
+        del dims, precision
+        return block_matmul(Blocks(*lhs), Blocks(*rhs), results).reshape(out_shape).astype(results)
+
+
+def _recipe(fmt: BlockFormat) -> shard_local.Recipe:
+    """Gradients: stochastic rounding under NVFP4. The product contracting the
+    rows (`d rhs`): the Hadamard transform on both operands under NVFP4."""
+    nvfp4 = fmt is NVFP4
+    plain = BlockScaling(fmt)
+    return shard_local.Recipe(
+        forward=(plain, plain),
+        d_lhs=(BlockScaling(fmt, stochastic=nvfp4), plain),
+        d_rhs=(
+            BlockScaling(fmt, stochastic=nvfp4, hadamard=nvfp4),
+            BlockScaling(fmt, hadamard=nvfp4),
+        ),
+    )
+
+
+RECIPES = {name: _recipe(fmt) for name, fmt in FORMATS.items()}
 
 
 def block_scaled_product(
@@ -305,7 +306,11 @@ def block_scaled_product(
 ) -> jax.Array:
     """`lax.dot_general(lhs, rhs, dims)` in the block format `fmt`, both passes,
     saving `residuals` (`"quantized"` or `"operands"`) for the backward pass;
-    each block-scaled product gives its results in `results_dtype`."""
+    each block-scaled product gives its results in `results_dtype`, each
+    device's blocks its own where `jit` partitions it (`shard_local`)."""
+    if 0 in lhs.shape or 0 in rhs.shape:
+        # Nothing to scale: the (empty, or all-zero) product itself.
+        return cast(lax.dot_general(lhs, rhs, dims, preferred_element_type=F32), out_dtype)
     f = _shared_block_product(
         dims, np.dtype(out_dtype), fmt, residuals, np.dtype(results_dtype),
         # A trace made under the other setting of the CPU form is not reused.
@@ -323,54 +328,7 @@ def _shared_block_product(
     del cpu_form  # Only a key: the tangent products read the setting as they trace.
     return ji.inlined_jit(
         functools.partial(
-            _block_product, dims=dims, out_dtype=out_dtype, fmt=FORMATS[fmt],
-            residuals=residuals, results=results,
+            shard_local.product, dims=dims, out_dtype=out_dtype, recipe=RECIPES[fmt],
+            precision=None, residuals=residuals, results=results,
         )
     )  # fmt: skip
-
-
-def _block_product(lhs, rhs, *, dims, out_dtype, fmt, residuals, results):
-    layout = _Layout(dims, lhs.shape, rhs.shape)
-    lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
-    if 0 in (layout.b, layout.m, layout.n, layout.k):
-        # Nothing to scale: the (empty, or all-zero) product itself.
-        return cast(lax.dot_general(lhs, rhs, dims, preferred_element_type=F32), out_dtype)
-    nvfp4 = fmt is NVFP4
-    quantize = functools.partial(quantize_blocks, fmt=fmt)
-    # Gradients: stochastic rounding under NVFP4. The product contracting the
-    # rows (d rhs): the Hadamard transform on both operands under NVFP4.
-    grad = functools.partial(quantize, stochastic=nvfp4)
-    grad_rows = functools.partial(quantize, stochastic=nvfp4, hadamard=nvfp4)
-    rows = functools.partial(quantize, hadamard=nvfp4)
-
-    @jax.custom_vjp
-    def f(lhs, rhs):
-        return fwd(lhs, rhs)[0]
-
-    def fwd(lhs, rhs):
-        a, b = layout.lhs(lhs), layout.rhs(rhs)
-        out = _straight_through(a, b, quantize, quantize, results)
-        out = cast(out.reshape(layout.out_shape), out_dtype)
-        if residuals == "operands":
-            return out, (a, b)
-        # The operands as the backward products take them: b along N, a along M.
-        a, b = to_be_saved_quantized((a, b))
-        return out, (quantize(_t(b)), rows(_t(a)))
-
-    def bwd(res, g):
-        g = layout.out(g)
-        if residuals == "operands":
-            a, b = res
-            d_a = _straight_through(g, _t(b), grad, quantize, results)
-            d_b = _straight_through(_t(g), _t(a), grad_rows, rows, results)
-        else:
-            b_t, a_t = res
-            d_a = block_matmul(grad(g), b_t, results)
-            d_b = block_matmul(grad_rows(_t(g)), a_t, results)
-        return (
-            cast(layout.back(d_a, "lhs"), lhs_dtype),
-            cast(layout.back(d_b, "rhs"), rhs_dtype),
-        )
-
-    f.defvjp(fwd, decided(ji.inlined_jit(bwd)))
-    return f(lhs, rhs)

@@ -39,7 +39,6 @@ arXiv:2209.05433; torchao's float8 training recipes.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -56,8 +55,10 @@ from jmp_policy.engine.products.block_scaling import FORMATS, block_scaled_produ
 from jmp_policy.engine.products.fp8_format import (
     E4M3,
     E4M3_MAX,
+    E4M3_SCALING,
     E5M2,
     E5M2_MAX,
+    E5M2_SCALING,
     Dims,
     fp8_quantize,
     fp8_scale,
@@ -73,6 +74,13 @@ from jmp_policy.engine.products.half import (
     shared_factory,
 )
 from jmp_policy.engine.residuals import check_residuals, residual_form, to_be_saved_quantized
+
+# Per tensor: e4m3 operands forward, an e5m2 output gradient backward.
+PER_TENSOR = shard_local.Recipe(
+    forward=(E4M3_SCALING, E4M3_SCALING),
+    d_lhs=(E5M2_SCALING, E4M3_SCALING),
+    d_rhs=(E5M2_SCALING, E4M3_SCALING),
+)
 
 # ------------------------------------------------------------- layouts
 
@@ -271,8 +279,8 @@ def _shared_fp8_product(
     if scaling == "tensor" and out_sharding is None:
         return ji.inlined_jit(
             functools.partial(
-                _per_tensor_product, dims=dims, out_dtype=out_dtype, precision=precision,
-                residuals=residuals, results=results,
+                shard_local.product, dims=dims, out_dtype=out_dtype, recipe=PER_TENSOR,
+                precision=precision, residuals=residuals, results=results,
             )
         )  # fmt: skip
     return ji.inlined_jit(
@@ -282,90 +290,6 @@ def _shared_fp8_product(
             results=results,
         )
     )  # fmt: skip
-
-
-def _straight_through(spec: shard_local.Spec, a: jax.Array, b: jax.Array) -> jax.Array:
-    """`shard_local.scaled_product(spec, a, b)`, whose tangent is the product
-    in the operands' (widest) dtype (the rounding to FP8 counts as the identity)."""
-
-    @jax.custom_jvp
-    def f(a, b):
-        return shard_local.scaled_product(spec, a, b)
-
-    @f.defjvp
-    def f_jvp(primals, tangents):
-        (a, b), (da, db) = primals, tangents
-        c = widest([a.dtype, b.dtype])
-        bilinear = dot_product(spec.dims, spec.precision)
-        tangent = bilinear(cast(da, c), cast(b, c), spec.results) + bilinear(
-            cast(a, c), cast(db, c), spec.results
-        )
-        return f(a, b), tangent.astype(spec.results)
-
-    return f(a, b)
-
-
-def _per_tensor_product(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    *,
-    dims: Dims,
-    out_dtype: np.dtype,
-    precision: Any,
-    residuals: str,
-    results: np.dtype,
-) -> jax.Array:
-    """Per-tensor scaling, each product a `shard_local` one: sharded, every
-    device scales the blocks it holds by their own amax (no all-reduce)."""
-    ndims = (lhs.ndim, rhs.ndim)
-    lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
-    e4m3, e5m2 = (E4M3, E4M3_MAX), (E5M2, E5M2_MAX)
-    forward = shard_local.Spec(dims, ndims, (e4m3, e4m3), results, precision)
-    lf, rf = shard_local.free_dims(dims, ndims)
-    out_ndim = len(dims[1][0]) + len(lf) + len(rf)
-    transposed = {side: shard_local.transposed_dims(dims, ndims, side) for side in ("lhs", "rhs")}
-
-    def backward(side: str) -> shard_local.Spec:
-        """`d side`'s product: of the output gradient (e5m2) and the other operand."""
-        other_ndim = ndims[1] if side == "lhs" else ndims[0]
-        return shard_local.Spec(
-            transposed[side][0], (out_ndim, other_ndim), (e5m2, e4m3), results, precision
-        )
-
-    @jax.custom_vjp
-    def f(lhs, rhs):
-        return fwd(lhs, rhs)[0]
-
-    def fwd(lhs, rhs):
-        if residuals == "operands":
-            return cast(_straight_through(forward, lhs, rhs), out_dtype), (lhs, rhs)
-        # Saved quantized, the operands have no tangents (differentiating them
-        # raises). Saved are the FP8 copies, which a backward pass that is not
-        # partitioned takes (per tensor, the very copies the forward product
-        # takes, once XLA has merged the two), and the operands, which a
-        # partitioned one quantizes per device; XLA drops whichever is not read.
-        lhs, rhs = to_be_saved_quantized((lhs, rhs))
-        out = shard_local.scaled_product(forward, lhs, rhs)
-        copies = (*shard_local.fp8_copy(lhs, e4m3), *shard_local.fp8_copy(rhs, e4m3))
-        return cast(out, out_dtype), (lhs, rhs, *copies)
-
-    def bwd(res, g):
-        if residuals == "quantized":  # One e5m2 copy of `g` for both products.
-            g_copy = shard_local.fp8_copy(g, e5m2)
-        bars = []
-        for side, dtype in (("lhs", lhs_dtype), ("rhs", rhs_dtype)):
-            other = res[1] if side == "lhs" else res[0]
-            if residuals == "operands":
-                bar = _straight_through(backward(side), g, other)
-            else:  # With the FP8 copies of `g` and of the other operand.
-                copy = res[4:6] if side == "lhs" else res[2:4]
-                spec = dataclasses.replace(backward(side), copies=(True, True))
-                bar = shard_local.scaled_product(spec, g, other, *g_copy, *copy)
-            bars.append(cast(lax.transpose(bar, transposed[side][1]), dtype))
-        return tuple(bars)
-
-    f.defvjp(fwd, decided(ji.inlined_jit(bwd)))
-    return f(lhs, rhs)
 
 
 def _fp8_product(

@@ -6,7 +6,9 @@ is exact and the only error is the FP8 rounding.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from jmp_policy.core.dtypes import F32, at_least_normal, pow2_at_least
+from jmp_policy.engine.products.half import dot_product
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -60,3 +63,32 @@ def fp8_quantize(x: jax.Array, scale: jax.Array, dtype: np.dtype, fp8_max: float
     """
     scaled = x.astype(F32) / scale
     return lax.convert_element_type(jnp.clip(scaled, -fp8_max, fp8_max), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorScaling:
+    """An FP8 format with one scale per tensor: an operand's copy is
+    `(elements, scale)`, for any product (the scale is layout-free)."""
+
+    dtype: np.dtype
+    fp8_max: float
+    arity = 2  # arrays in a copy
+
+    def copy(self, x: jax.Array, dims: Dims, side: str) -> tuple[jax.Array, ...]:
+        del dims, side
+        scale = fp8_scale(x, self.fp8_max)
+        return fp8_quantize(x, scale, self.dtype, self.fp8_max), scale
+
+    def product(
+        self, dims: Dims, precision: Any, results: np.dtype, lhs: Any, rhs: Any, out_shape: Any
+    ) -> jax.Array:
+        """The product of two copies, scaled back, in `results`."""
+        del out_shape
+        (ql, sl), (qr, sr) = lhs, rhs
+        product = dot_product(dims, precision)(ql, qr, results)
+        # One scale after the other: their product could underflow on its own.
+        return (product.astype(F32) * sl * sr).astype(results)
+
+
+E4M3_SCALING = TensorScaling(E4M3, E4M3_MAX)
+E5M2_SCALING = TensorScaling(E5M2, E5M2_MAX)

@@ -1,22 +1,27 @@
-"""Per-tensor FP8 products whose scales are each shard's own: no all-reduce for an amax.
+"""Low-precision products whose scales are each shard's own: no all-reduce for an amax.
 
 Under `jit` over a mesh, a per-tensor scale written as a maximum over the whole
 tensor is a global maximum: one blocking all-reduce per product, each waiting
-on the product before it. PyTorch's FP8 training (torchao, under DDP and
+on the product before it; and a block format's blocks, laid out over the whole
+operand, straddle devices. PyTorch's FP8 training (torchao, under DDP and
 FSDP) scales the data each rank holds by that rank's own amax instead. This
 module does the same for XLA's SPMD partitioner: each product (quantize both
-operands, FP8 `dot_general`, multiply by the scales) is a
+operands, the low-precision `dot_general`, scale back) is a
 `jax.experimental.custom_partitioning` whose partitioned form quantizes the
-block a device holds by that block's amax, multiplies, applies the scales to
-its partial result, and only then sums the partial results over the mesh axes
-the contraction is sharded on (in the results dtype, as a bf16 product's sum
-is). So the scales never meet a collective, and a sharded FP8 program sends
-what its bf16 twin sends. Where nothing is partitioned (one device,
-`shard_map`, `pmap`, `vmap`) the product is the per-tensor product as written.
+block a device holds on its own (its amax, its blocks along the contraction),
+multiplies, scales its partial result back, and only then sums the partial
+results over the mesh axes the contraction is sharded on (in the results
+dtype, as a bf16 product's sum is). So no scale meets a collective, and a
+sharded program sends what its bf16 twin sends. Where nothing is partitioned
+(one device, `shard_map`, `pmap`, `vmap`) the product is the one written.
+
+A recipe's quantizers (`fp8_format.TensorScaling`,
+`block_scaling.BlockScaling`) say how an operand is quantized for a product
+(`copy`) and how two copies multiply (`product`).
 
 What the backward pass takes depends on the same: a program that is not
-partitioned takes FP8 copies saved in the forward pass (`fp8_copy`: half the
-memory of the operands), a partitioned one the operands, each device
+partitioned takes copies saved in the forward pass (`saved_copy`: half the
+memory of bf16 operands), a partitioned one the operands, each device
 quantizing its blocks again (as torchao saves its bf16 inputs). Both are
 saved; XLA drops what the compiled program does not read.
 """
@@ -26,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -35,25 +40,44 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmp_policy.core.dtypes import F32
-from jmp_policy.engine.products.fp8_format import Dims, fp8_quantize, fp8_scale
-from jmp_policy.engine.products.half import dot_product
+from jmp_policy.core import jax_internals as ji
+from jmp_policy.core.dtypes import cast, widest
+from jmp_policy.engine.products.fp8_format import Dims
+from jmp_policy.engine.products.half import decided, dot_product
+from jmp_policy.engine.residuals import to_be_saved_quantized
 
-Format = tuple[np.dtype, float]  # An FP8 dtype and its largest finite value.
+
+class Quantizer(Protocol):
+    """How an operand is quantized for a product, and how two copies multiply."""
+
+    arity: int  # arrays in a copy
+
+    def copy(self, x: jax.Array, dims: Dims, side: str) -> tuple[jax.Array, ...]: ...
+
+    def product(
+        self, dims: Dims, precision: Any, results: np.dtype, lhs: Any, rhs: Any, out_shape: Any
+    ) -> jax.Array: ...
+
+
+class Recipe(NamedTuple):
+    """The quantizers of (lhs, rhs) in the forward product and of (output
+    gradient, other operand) in the products giving `d lhs` and `d rhs`."""
+
+    forward: tuple[Quantizer, Quantizer]
+    d_lhs: tuple[Quantizer, Quantizer]
+    d_rhs: tuple[Quantizer, Quantizer]
 
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """One product's static description: `dot_general`'s dimension numbers,
-    the operands' ranks and FP8 formats, the results dtype and precision.
-
-    `copies`: which operands come with an FP8 copy and its scale
-    (`fp8_copy`'s), which the product takes where it is not partitioned.
-    """
+    the operands' ranks and quantizers, the results dtype and precision.
+    `copies`: which operands come with a copy (`saved_copy`'s), which the
+    product takes where it is not partitioned."""
 
     dims: Dims
     ndims: tuple[int, int]
-    formats: tuple[Format, Format]
+    quantizers: tuple[Quantizer, Quantizer]
     results: np.dtype
     precision: Any = None
     copies: tuple[bool, bool] = (False, False)
@@ -68,21 +92,22 @@ def free_dims(dims: Dims, ndims: tuple[int, int]) -> tuple[list[int], list[int]]
     )
 
 
-def _copy(fmt: Format, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    scale = fp8_scale(x, fmt[1])
-    return fp8_quantize(x, scale, *fmt), scale
+def _out_shape(dims: Dims, lhs: tuple[int, ...], rhs: tuple[int, ...]) -> tuple[int, ...]:
+    lf, rf = free_dims(dims, (len(lhs), len(rhs)))
+    return tuple(lhs[d] for d in (*dims[1][0], *lf)) + tuple(rhs[d] for d in rf)
 
 
 def _compute(spec: Spec, lhs: jax.Array, rhs: jax.Array, *copies: jax.Array) -> jax.Array:
     """The product of the arrays one device holds (all of them, unpartitioned)."""
     given = iter(copies)
-    (ql, sl), (qr, sr) = (
-        (next(given), next(given)) if copied else _copy(fmt, x)
-        for x, fmt, copied in zip((lhs, rhs), spec.formats, spec.copies)
+    lhs_copy, rhs_copy = (
+        tuple(next(given) for _ in range(q.arity)) if copied else q.copy(x, spec.dims, side)
+        for x, q, copied, side in zip((lhs, rhs), spec.quantizers, spec.copies, ("lhs", "rhs"))
     )
-    product = dot_product(spec.dims, spec.precision)(ql, qr, spec.results)
-    # One scale after the other: their product could underflow on its own.
-    return (product.astype(F32) * sl * sr).astype(spec.results)
+    out_shape = _out_shape(spec.dims, lhs.shape, rhs.shape)
+    return spec.quantizers[0].product(
+        spec.dims, spec.precision, spec.results, lhs_copy, rhs_copy, out_shape
+    )
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -101,18 +126,25 @@ def _names(prefix: str, ndim: int) -> list[str]:
     return [f"{prefix}{d}" for d in range(ndim)]
 
 
+def _own_factors(types: Any, first: int) -> list[str]:
+    """Factors of their own for arrays a rule does not relate to the others."""
+    out, k = [], first
+    for t in types:
+        out.append(" ".join(_names(f"u{k}_", len(t.shape))))
+        k += 1
+    return out
+
+
 def _product_rule(spec: Spec, mesh: Any, operand_types: Any, result_types: Any) -> str:
-    """The Shardy rule of a product: `dot_general`'s einsum, each copy its operand's
-    factors and a scalar scale."""
-    del mesh, operand_types, result_types
+    """The Shardy rule of a product: `dot_general`'s einsum (copies apart)."""
+    del mesh, result_types
     (lc, rc), (lb, rb) = spec.dims
     lhs, rhs = _names("l", spec.ndims[0]), _names("r", spec.ndims[1])
     for i, j in zip((*lc, *lb), (*rc, *rb)):
         rhs[j] = lhs[i]
     lf, rf = free_dims(spec.dims, spec.ndims)
     out = [lhs[d] for d in lb] + [lhs[d] for d in lf] + [rhs[d] for d in rf]
-    copies = [part for f, c in zip((lhs, rhs), spec.copies) if c for part in (" ".join(f), "")]
-    operands = [" ".join(lhs), " ".join(rhs), *copies]
+    operands = [" ".join(lhs), " ".join(rhs), *_own_factors(operand_types[2:], 0)]
     return f"{', '.join(operands)} -> {' '.join(out)}"
 
 
@@ -135,38 +167,45 @@ def _partition_product(spec: Spec, mesh: Any, arg_shapes: Any, result_shape: Any
     local = dataclasses.replace(spec, copies=(False, False))
 
     def lower(lhs: jax.Array, rhs: jax.Array, *copies: jax.Array) -> jax.Array:
-        del copies  # Each device quantizes its own blocks instead.
+        del copies  # Each device quantizes its own blocks instead; XLA drops them.
         result = _compute(local, lhs, rhs)
         return lax.psum(result, summed) if summed else result
 
-    shardings = (NamedSharding(mesh, P(*lhs)), NamedSharding(mesh, P(*rhs)))
     replicated = NamedSharding(mesh, P())
-    copies = [(s, replicated) for s, c in zip(shardings, spec.copies) if c]
-    args = (*shardings, *(s for pair in copies for s in pair))
+    operands = (NamedSharding(mesh, P(*lhs)), NamedSharding(mesh, P(*rhs)))
+    args = (*operands, *(replicated,) * (len(arg_shapes) - 2))  # the copies: unread
     return mesh, lower, NamedSharding(mesh, out), args
 
 
-def _copy_rule(fmt: Format, mesh: Any, operand_types: Any, result_types: Any) -> str:
-    del fmt, mesh, result_types
+CopyKey = tuple[Any, Dims, str]  # (quantizer, the product's dimension numbers, side)
+
+
+def _copy(key: CopyKey, x: jax.Array) -> tuple[jax.Array, ...]:
+    quantizer, dims, side = key
+    return quantizer.copy(x, dims, side)
+
+
+def _copy_rule(key: CopyKey, mesh: Any, operand_types: Any, result_types: Any) -> str:
+    del key, mesh
     names = " ".join(_names("x", len(operand_types[0].shape)))
-    return f"{names} -> {names}, "
+    return f"{names} -> {', '.join(_own_factors(result_types, 0))}"
 
 
-def _partition_copy(fmt: Format, mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
-    """A partitioned copy: scaled per tensor, its amax reduced across devices.
-    Only a backward pass that is not partitioned reads it (a program whose
-    forward and backward passes are compiled apart); XLA drops it otherwise."""
-    del result_shape
+def _partition_copy(key: CopyKey, mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
+    """A partitioned copy: of the whole operand, gathered. Only a backward pass
+    that is not partitioned reads it (a program whose forward and backward
+    passes are compiled apart); XLA drops it otherwise."""
     spec = _spec_of(arg_shapes[0])
-    axes = tuple(a for entry in spec for a in _axes(entry))
+    gathered = [(d, _axes(e)) for d, e in enumerate(spec) if e is not None]
 
-    def lower(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        scale = fp8_scale(x, fmt[1])
-        scale = lax.pmax(scale, axes) if axes else scale
-        return fp8_quantize(x, scale, *fmt), scale
+    def lower(x: jax.Array) -> tuple[jax.Array, ...]:
+        for d, axes in gathered:
+            x = lax.all_gather(x, axes, axis=d, tiled=True)
+        return _copy(key, x)
 
-    sharding = NamedSharding(mesh, P(*spec))
-    return mesh, lower, (sharding, NamedSharding(mesh, P())), (sharding,)
+    replicated = NamedSharding(mesh, P())
+    results = tuple(replicated for _ in jax.tree.leaves(result_shape))
+    return mesh, lower, results, (NamedSharding(mesh, P(*spec)),)
 
 
 def _partitioned(fn: Callable, static: Any, partition: Callable, rule: Callable) -> Callable:
@@ -194,21 +233,105 @@ def _product(spec: Spec) -> Callable:
 
 
 @functools.cache
-def _copier(fmt: Format) -> Callable:
-    return _partitioned(_copy, fmt, _partition_copy, _copy_rule)
+def _copier(key: CopyKey) -> Callable:
+    return _partitioned(_copy, key, _partition_copy, _copy_rule)
 
 
 def scaled_product(spec: Spec, lhs: jax.Array, rhs: jax.Array, *copies: jax.Array) -> jax.Array:
-    """The per-tensor FP8 product `spec` describes, in `spec.results`; each
+    """The low-precision product `spec` describes, in `spec.results`; each
     device's blocks scaled on their own where `jit` partitions it. `copies`:
-    the FP8 copy and scale of each operand `spec.copies` names."""
+    the copy of each operand `spec.copies` names."""
     return _product(spec)(lhs, rhs, *copies)
 
 
-def fp8_copy(x: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
-    """`x` scaled per tensor to `fmt`, and its scale: what a product that is
-    not partitioned takes for `x` (see `Spec.copies`)."""
-    return _copier(fmt)(x)
+def saved_copy(x: jax.Array, quantizer: Quantizer, dims: Dims, side: str) -> tuple[jax.Array, ...]:
+    """`x` quantized as the product `dims` takes it on `side`: what that
+    product takes where it is not partitioned (see `Spec.copies`)."""
+    return tuple(_copier((quantizer, dims, side))(x))
+
+
+def _straight_through(spec: Spec, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`scaled_product(spec, a, b)`, whose tangent is the product in the
+    operands' (widest) dtype: the rounding counts as the identity."""
+
+    @jax.custom_jvp
+    def f(a, b):
+        return scaled_product(spec, a, b)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (a, b), (da, db) = primals, tangents
+        c = widest([a.dtype, b.dtype])
+        bilinear = dot_product(spec.dims, spec.precision)
+        tangent = bilinear(cast(da, c), cast(b, c), spec.results) + bilinear(
+            cast(a, c), cast(db, c), spec.results
+        )
+        return f(a, b), tangent.astype(spec.results)
+
+    return f(a, b)
+
+
+def product(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    *,
+    dims: Dims,
+    out_dtype: np.dtype,
+    recipe: Recipe,
+    precision: Any,
+    residuals: str,
+    results: np.dtype,
+) -> jax.Array:
+    """`lax.dot_general(lhs, rhs, dims)` by `recipe`, both passes (a `jax.custom_vjp`),
+    every product a `scaled_product`; saving `residuals` for the backward pass
+    (`"quantized"`: the copies and the operands, as above; `"operands"`)."""
+    ndims = (lhs.ndim, rhs.ndim)
+    lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
+    forward = Spec(dims, ndims, recipe.forward, results, precision)
+    lf, rf = free_dims(dims, ndims)
+    out_ndim = len(dims[1][0]) + len(lf) + len(rf)
+    transposed = {side: transposed_dims(dims, ndims, side) for side in ("lhs", "rhs")}
+    quantizers = {"lhs": recipe.d_lhs, "rhs": recipe.d_rhs}
+
+    def backward(side: str, copied: bool = False) -> Spec:
+        """`d side`'s product: of the output gradient and the other operand."""
+        other_ndim = ndims[1] if side == "lhs" else ndims[0]
+        t_dims = transposed[side][0]
+        return Spec(
+            t_dims, (out_ndim, other_ndim), quantizers[side], results, precision, (False, copied)
+        )
+
+    def copy_for(side: str, other: jax.Array) -> tuple[jax.Array, ...]:
+        """The other operand's copy, as `d side`'s product takes it."""
+        return saved_copy(other, quantizers[side][1], transposed[side][0], "rhs")
+
+    @jax.custom_vjp
+    def f(lhs, rhs):
+        return fwd(lhs, rhs)[0]
+
+    def fwd(lhs, rhs):
+        if residuals == "operands":
+            return cast(_straight_through(forward, lhs, rhs), out_dtype), (lhs, rhs)
+        # Saved quantized, the operands have no tangents (differentiating them raises).
+        lhs, rhs = to_be_saved_quantized((lhs, rhs))
+        out = scaled_product(forward, lhs, rhs)
+        return cast(out, out_dtype), (lhs, rhs, copy_for("lhs", rhs), copy_for("rhs", lhs))
+
+    def bwd(res, g):
+        bars = []
+        for side, dtype in (("lhs", lhs_dtype), ("rhs", rhs_dtype)):
+            other = res[1] if side == "lhs" else res[0]
+            if residuals == "operands":
+                bar = _straight_through(backward(side), g, other)
+            else:
+                copy = res[2] if side == "lhs" else res[3]
+                bar = scaled_product(backward(side, copied=True), g, other, *copy)
+            bars.append(cast(lax.transpose(bar, transposed[side][1]), dtype))
+        return tuple(bars)
+
+    # Traced once per signature: every product of it shares this backward.
+    f.defvjp(fwd, decided(ji.inlined_jit(bwd)))
+    return f(lhs, rhs)
 
 
 def transposed_dims(dims: Dims, ndims: tuple[int, int], side: str) -> tuple[Dims, tuple[int, ...]]:
