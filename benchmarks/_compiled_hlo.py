@@ -254,15 +254,23 @@ def unread_parameters(text: str) -> list[int]:
     return sorted(n for name, n in parameters.items() if name not in read)
 
 
-def residuals_read(fn: Any, *args: Any) -> list[int]:
-    """The places, among the values saved for `fn(*args)`'s backward pass
-    (in `jax.vjp`'s order, as `saved_residuals` lists them), of those that the
-    backward pass, compiled for one device, reads: XLA drops the others (an
-    FP8 product saves copies for a program that is not partitioned and its
-    operands for one that is)."""
+def read_residuals(vjp: Any, out: Any) -> list[int]:
+    """The places, among the leaves of `vjp` (a function `jax.vjp` returned,
+    with its primal result `out`), of the values its backward pass, compiled
+    for one device, reads: XLA drops the others (an FP8 product saves copies
+    for a program that is not partitioned and its operands for one that is)."""
     import jax
 
-    out, vjp = jax.vjp(fn, *args)
     compiled = jax.jit(lambda v, g: v(g), keep_unused=True).lower(vjp, out).compile()
     unread = set(unread_parameters(compiled.as_text() or ""))
     return [i for i in range(len(jax.tree.leaves(vjp))) if i not in unread]
+
+
+def residuals_read(fn: Any, *args: Any) -> list[Any]:
+    """The values saved for `fn(*args)`'s backward pass that it reads, compiled
+    for one device (`read_residuals`)."""
+    import jax
+
+    out, vjp = jax.vjp(fn, *args)
+    leaves = jax.tree.leaves(vjp)
+    return [leaves[i] for i in read_residuals(vjp, out)]

@@ -346,9 +346,7 @@ def residual_bytes(run: Run, task: Task) -> int:
     def loss(variables):
         return task.loss(run.apply(variables, task.inputs(batch)), batch)
 
-    saved = jax.tree.leaves(jax.vjp(loss, run.variables)[1])
-    read = _compiled_hlo.residuals_read(loss, run.variables)
-    return sum(saved[i].size * saved[i].dtype.itemsize for i in read)
+    return sum(r.size * r.dtype.itemsize for r in _compiled_hlo.residuals_read(loss, run.variables))
 
 
 def temp_bytes(run: Run, task: Task) -> int:

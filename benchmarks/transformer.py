@@ -118,10 +118,15 @@ def residuals(
     lm: ModuleType, apply: Callable, params: Any, batch: jax.Array
 ) -> list[tuple[Any, str]]:
     """The `(aval, where it comes from)` pairs saved for the backward pass of
-    the loss that the backward pass, compiled for one device, reads."""
+    the loss that the backward pass, compiled for one device, reads (where
+    JAX's traced list has as many values as the compiled one: then each is
+    named, else "")."""
     loss = functools.partial(lm.loss_fn, apply)
-    saved = saved_residuals(loss, params, batch)
-    return [saved[i] for i in _compiled_hlo.residuals_read(loss, params, batch)]
+    out, vjp = jax.vjp(loss, params, batch)
+    leaves = jax.tree.leaves(vjp)
+    traced = saved_residuals(loss, params, batch)
+    named = len(traced) == len(leaves)
+    return [traced[i] if named else (leaves[i], "") for i in _compiled_hlo.read_residuals(vjp, out)]
 
 
 def nbytes(res: Sequence[tuple[Any, str]]) -> int:

@@ -294,8 +294,7 @@ def _bytes_by_dtype(fn, *args):
     """The bytes by dtype of what `fn`'s backward pass, compiled for one device,
     reads of the values saved for it."""
     out: dict[str, int] = {}
-    saved = [r for r, _ in saved_residuals(fn, *args)]
-    for r in (saved[i] for i in import_benchmark("_compiled_hlo").residuals_read(fn, *args)):
+    for r in import_benchmark("_compiled_hlo").residuals_read(fn, *args):
         out[str(r.dtype)] = out.get(str(r.dtype), 0) + r.size * r.dtype.itemsize
     return out
 
