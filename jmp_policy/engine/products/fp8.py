@@ -13,7 +13,11 @@ operands along them: the output gradient per row for `d lhs` and per column
 for `d rhs`, each saved operand along its forward-contracted dimensions.
 
 The block formats (`"mxfp8"`, `"nvfp4"`) are `block_scaling`'s; `fp8_product`
-and `fp8_dot_general` serve all four.
+and `fp8_dot_general` serve all four. Per tensor, as in the block formats,
+the products are `shard_local`'s: under `jit` over a mesh each device scales
+the blocks it holds by their own amax, and no amax is all-reduced. Row-wise
+scaling (and a product given an explicit `out_sharding`) is built here, its
+scales taken over the whole operand, as written below.
 
 Three layers of custom rules:
 
