@@ -126,13 +126,9 @@ def _names(prefix: str, ndim: int) -> list[str]:
     return [f"{prefix}{d}" for d in range(ndim)]
 
 
-def _own_factors(types: Any, first: int) -> list[str]:
+def _own_factors(types: Any) -> list[str]:
     """Factors of their own for arrays a rule does not relate to the others."""
-    out, k = [], first
-    for t in types:
-        out.append(" ".join(_names(f"u{k}_", len(t.shape))))
-        k += 1
-    return out
+    return [" ".join(_names(f"u{k}_", len(t.shape))) for k, t in enumerate(types)]
 
 
 def _product_rule(spec: Spec, mesh: Any, operand_types: Any, result_types: Any) -> str:
@@ -144,7 +140,7 @@ def _product_rule(spec: Spec, mesh: Any, operand_types: Any, result_types: Any) 
         rhs[j] = lhs[i]
     lf, rf = free_dims(spec.dims, spec.ndims)
     out = [lhs[d] for d in lb] + [lhs[d] for d in lf] + [rhs[d] for d in rf]
-    operands = [" ".join(lhs), " ".join(rhs), *_own_factors(operand_types[2:], 0)]
+    operands = [" ".join(lhs), " ".join(rhs), *_own_factors(operand_types[2:])]
     return f"{', '.join(operands)} -> {' '.join(out)}"
 
 
@@ -188,7 +184,7 @@ def _copy(key: CopyKey, x: jax.Array) -> tuple[jax.Array, ...]:
 def _copy_rule(key: CopyKey, mesh: Any, operand_types: Any, result_types: Any) -> str:
     del key, mesh
     names = " ".join(_names("x", len(operand_types[0].shape)))
-    return f"{names} -> {', '.join(_own_factors(result_types, 0))}"
+    return f"{names} -> {', '.join(_own_factors(result_types))}"
 
 
 def _partition_copy(key: CopyKey, mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
