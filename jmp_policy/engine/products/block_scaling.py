@@ -242,12 +242,11 @@ def _emulated_matmul(a, b, a_scales, b_scales, *, results):
 # ------------------------------------------------------------ the product
 
 
-def as_rows(x: jax.Array, dims: Any, side: str) -> jax.Array:
+def _as_rows(x: jax.Array, dims: Any, side: str) -> jax.Array:
     """`side`'s operand of a `dot_general` laid out as `(batch, rows, contraction)`."""
     (lc, rc), (lb, rb) = dims
     contracting, batch = (lc, lb) if side == "lhs" else (rc, rb)
     free = [d for d in range(x.ndim) if d not in (*contracting, *batch)]
-
     sizes = [math.prod(x.shape[a] for a in axes) for axes in (batch, free, contracting)]
     return lax.transpose(x, (*batch, *free, *contracting)).reshape(sizes)
 
@@ -263,7 +262,7 @@ class BlockScaling:
     arity = 3  # arrays in a copy
 
     def copy(self, x: jax.Array, dims: Any, side: str) -> tuple[jax.Array, ...]:
-        rows = as_rows(x, dims, side)
+        rows = _as_rows(x, dims, side)
         return tuple(
             quantize_blocks(rows, self.fmt, stochastic=self.stochastic, hadamard=self.hadamard)
         )
