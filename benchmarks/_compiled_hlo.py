@@ -9,6 +9,8 @@ operand types are those the Tensor Cores multiply: for a fusion, those of the
 `dot` inside it, so an FP8 operand upcast to bf16 before the product shows
 as bf16. Counted in the scheduled computations (the entry and the loop
 bodies; a `nn.scan` body once, not once per layer), not in fused ones.
+`residuals_read` compiles a backward pass for the default (CPU) device and
+reads which of its saved values it uses.
 """
 
 from __future__ import annotations
