@@ -25,7 +25,7 @@ bf16 collective is widened to f32, so only a GPU compile shows them.
 Targets, each printed as holds / FALLS SHORT and written to the JSON: every
 policy's bytes at most Flax's hand-written bf16 config's in each layout;
 `mixed_float8` and `mixed_mxfp8` at most one all-reduce a step beyond
-`mixed_bfloat16`'s.
+`mixed_bfloat16`'s; under FSDP, `mixed_float8`'s weights all-gathered in FP8.
 
 Usage::
 
@@ -241,7 +241,7 @@ def compile_hlo(variant: str, layout: str, devices: Sequence[Any]) -> str:
     return compiled.as_text()
 
 
-def verdicts(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool | None]]:
+def verdicts(layout: str, rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool | None]]:
     """The targets of one GPU and layout, each with whether it holds (None: a row missing)."""
     out: list[tuple[str, bool | None]] = []
     hand = rows.get(BY_HAND)
@@ -259,6 +259,12 @@ def verdicts(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool | None]]:
             row["all_reduces"] <= base["all_reduces"] + 1
         )  # fmt: skip
         out.append((f"{name}: at most one all-reduce beyond mixed_bfloat16's", holds))
+    if layout == "fsdp":
+        row = rows.get("mixed_float8")
+        holds = None if row is None else any(
+            k.startswith("all-gather") and "f8e4m3fn" in k for k in row["by_kind"]
+        )  # fmt: skip
+        out.append(("mixed_float8 all-gathers its weights in FP8", holds))
     return out
 
 
@@ -309,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kinds = ", ".join(f"{k}: {n}" for k, n in r["by_kind"].items())
                 log(f"{name:<16}{r['megabytes_per_device']:>10.2f}{r['collectives']:>7}"
                     f"{r['all_reduces']:>13}{r['scalar_all_reduces']:>8}  {kinds}")  # fmt: skip
-            found = verdicts(rows)
+            found = verdicts(layout, rows)
             gpu_compile.log_verdicts(found, log)
             figures["targets"].setdefault(target, {"device_kind": kind, "layouts": {}})
             figures["targets"][target]["layouts"][layout] = {

@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -260,12 +260,22 @@ class BlockScaling:
     stochastic: bool = False
     hadamard: bool = False
     arity = 3  # arrays in a copy
+    per_tensor = False  # a copy's blocks run along one product's contraction
 
     def copy(self, x: jax.Array, dims: Any, side: str) -> tuple[jax.Array, ...]:
         rows = _as_rows(x, dims, side)
         return tuple(
             quantize_blocks(rows, self.fmt, stochastic=self.stochastic, hadamard=self.hadamard)
         )
+
+    def gathered_copy(
+        self, x: jax.Array, dims: Any, side: str, gathered: Sequence[tuple[int, tuple[str, ...]]]
+    ) -> tuple[jax.Array, ...]:
+        """The copy of the whole of a sharded operand, from the shard `x`:
+        gathered, then quantized (a block may straddle shards)."""
+        for d, axes in gathered:
+            x = lax.all_gather(x, axes, axis=d, tiled=True)
+        return self.copy(x, dims, side)
 
     def product(
         self, dims: Any, precision: Any, results: np.dtype, lhs: Any, rhs: Any, out_shape: Any

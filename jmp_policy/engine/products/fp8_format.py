@@ -27,7 +27,12 @@ E5M2_MAX = float(jnp.finfo(E5M2).max)  # 57344
 Dims = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
 
 
-def fp8_scale(x: jax.Array, fp8_max: float, axes: Sequence[int] | None = None) -> jax.Array:
+def fp8_scale(
+    x: jax.Array,
+    fp8_max: float,
+    axes: Sequence[int] | None = None,
+    mesh_axes: tuple[str, ...] = (),
+) -> jax.Array:
     """The scale of `x` for an FP8 format: a float32 power of two, per tensor or per row.
 
     The smallest power of two `s >= amax(|x|) / fp8_max`, so `x / s` fits the
@@ -43,6 +48,9 @@ def fp8_scale(x: jax.Array, fp8_max: float, axes: Sequence[int] | None = None) -
       fp8_max: the format's largest finite value (`E4M3_MAX`, `E5M2_MAX`).
       axes: the axes the amax is taken over, kept as size 1 (one scale per
         row of the others); None: all of them, and a scalar scale.
+      mesh_axes: where `x` is a shard (inside a partitioned or mapped
+        function), the mesh axes it is sharded over: the amax is then the
+        maximum over the shards (one all-reduce).
 
     Returns:
       The float32 scale: a scalar, or `x`'s shape with `axes` of size 1.
@@ -51,6 +59,8 @@ def fp8_scale(x: jax.Array, fp8_max: float, axes: Sequence[int] | None = None) -
     # `initial=0`: the identity of a max of magnitudes, so an empty `x` has scale 1.
     amax = jnp.max(jnp.abs(x.astype(F32)), axis=None if axes is None else tuple(axes),
                    keepdims=axes is not None, initial=0.0)  # fmt: skip
+    if mesh_axes:
+        amax = lax.pmax(amax, mesh_axes)
     return pow2_at_least(at_least_normal(amax, amax / np.float32(fp8_max)))
 
 
@@ -68,16 +78,32 @@ def fp8_quantize(x: jax.Array, scale: jax.Array, dtype: np.dtype, fp8_max: float
 @dataclasses.dataclass(frozen=True)
 class TensorScaling:
     """An FP8 format with one scale per tensor: an operand's copy is
-    `(elements, scale)`, for any product (the scale is layout-free)."""
+    `(elements, scale)`. `per_tensor`: a copy serves every product, and a
+    sharded operand's copy is made where its shards are (the scale one max
+    over them), then gathered in FP8."""
 
     dtype: np.dtype
     fp8_max: float
     arity = 2  # arrays in a copy
+    per_tensor = True
 
     def copy(self, x: jax.Array, dims: Dims, side: str) -> tuple[jax.Array, ...]:
         del dims, side
         scale = fp8_scale(x, self.fp8_max)
         return fp8_quantize(x, scale, self.dtype, self.fp8_max), scale
+
+    def gathered_copy(
+        self, x: jax.Array, dims: Dims, side: str, gathered: Sequence[tuple[int, tuple[str, ...]]]
+    ) -> tuple[jax.Array, ...]:
+        """The copy of the whole of a sharded operand, from the shard `x`
+        (`gathered`: each sharded dimension and its mesh axes): the shards
+        share the tensor's scale and send their elements in FP8."""
+        del dims, side
+        scale = fp8_scale(x, self.fp8_max, mesh_axes=tuple(a for _, axes in gathered for a in axes))
+        elements = fp8_quantize(x, scale, self.dtype, self.fp8_max)
+        for d, axes in gathered:
+            elements = lax.all_gather(elements, axes, axis=d, tiled=True)
+        return elements, scale
 
     def product(
         self, dims: Dims, precision: Any, results: np.dtype, lhs: Any, rhs: Any, out_shape: Any

@@ -19,18 +19,21 @@ A recipe's quantizers (`fp8_format.TensorScaling`,
 `block_scaling.BlockScaling`) say how an operand is quantized for a product
 (`copy`) and how two copies multiply (`product`).
 
-What the backward pass takes depends on the same: a program that is not
-partitioned takes copies saved in the forward pass (`saved_copy`: half the
-memory of bf16 operands), a partitioned one the operands, each device
-quantizing its blocks again (as torchao saves its bf16 inputs). Both are
-saved; XLA drops what the compiled program does not read.
+What the backward pass takes depends on the same: a product multiplying the
+whole of an operand takes its copy made in the forward pass (`saved_copy`:
+half the memory of bf16 operands), one multiplying a part quantizes that
+part of the operand again (as torchao saves its bf16 inputs). Both are
+saved; XLA drops what the compiled program does not read. A copy with one
+scale per tensor also serves the forward product, and a sharded operand's
+is gathered in FP8 (the scale one max over the shards, as torchao's FSDP
+gathers weights), where a bf16 operand would be gathered.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -48,11 +51,18 @@ from jmp_policy.engine.residuals import to_be_saved_quantized
 
 
 class Quantizer(Protocol):
-    """How an operand is quantized for a product, and how two copies multiply."""
+    """How an operand is quantized for a product, and how two copies multiply.
+    `per_tensor`: a copy serves every product, and `gathered_copy` sends a
+    sharded operand's copy in its low-precision format."""
 
     arity: int  # arrays in a copy
+    per_tensor: bool
 
     def copy(self, x: jax.Array, dims: Dims, side: str) -> tuple[jax.Array, ...]: ...
+
+    def gathered_copy(
+        self, x: jax.Array, dims: Dims, side: str, gathered: Sequence[tuple[int, tuple[str, ...]]]
+    ) -> tuple[jax.Array, ...]: ...
 
     def product(
         self, dims: Dims, precision: Any, results: np.dtype, lhs: Any, rhs: Any, out_shape: Any
@@ -160,16 +170,27 @@ def _partition_product(spec: Spec, mesh: Any, arg_shapes: Any, result_shape: Any
             rhs[d] = None
     summed = tuple(a for i in lc for a in _axes(lhs[i]))
     out = P(*[lhs[d] for d in lb], *[lhs[d] for d in lf], *[rhs[d] for d in rf])
-    local = dataclasses.replace(spec, copies=(False, False))
+
+    # A copy is of the whole operand: read where each device multiplies all of
+    # it, if the device holds it all or the copy is gathered in its format
+    # (cheaper than the operand); elsewhere each device quantizes its blocks,
+    # and XLA drops the copy.
+    def reads_copy(side: int, needed: list[Any]) -> bool:
+        held = not any(_spec_of(arg_shapes[side]))
+        quantizer = spec.quantizers[side]
+        return spec.copies[side] and not any(needed) and (held or quantizer.per_tensor)
+
+    reads = (reads_copy(0, lhs), reads_copy(1, rhs))
+    local = dataclasses.replace(spec, copies=reads)
+    kept = [r for q, c, r in zip(spec.quantizers, spec.copies, reads) if c for _ in range(q.arity)]
 
     def lower(lhs: jax.Array, rhs: jax.Array, *copies: jax.Array) -> jax.Array:
-        del copies  # Each device quantizes its own blocks instead; XLA drops them.
-        result = _compute(local, lhs, rhs)
+        result = _compute(local, lhs, rhs, *(x for x, keep in zip(copies, kept) if keep))
         return lax.psum(result, summed) if summed else result
 
     replicated = NamedSharding(mesh, P())
     operands = (NamedSharding(mesh, P(*lhs)), NamedSharding(mesh, P(*rhs)))
-    args = (*operands, *(replicated,) * (len(arg_shapes) - 2))  # the copies: unread
+    args = (*operands, *(replicated,) * (len(arg_shapes) - 2))  # the copies: whole
     return mesh, lower, NamedSharding(mesh, out), args
 
 
@@ -188,16 +209,15 @@ def _copy_rule(key: CopyKey, mesh: Any, operand_types: Any, result_types: Any) -
 
 
 def _partition_copy(key: CopyKey, mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
-    """A partitioned copy: of the whole operand, gathered. Only a backward pass
-    that is not partitioned reads it (a program whose forward and backward
-    passes are compiled apart); XLA drops it otherwise."""
+    """A partitioned copy: of the whole operand, on every device (the
+    quantizer's `gathered_copy`). Read where a product multiplies the whole
+    operand; XLA drops it elsewhere."""
     spec = _spec_of(arg_shapes[0])
     gathered = [(d, _axes(e)) for d, e in enumerate(spec) if e is not None]
+    quantizer, dims, side = key
 
     def lower(x: jax.Array) -> tuple[jax.Array, ...]:
-        for d, axes in gathered:
-            x = lax.all_gather(x, axes, axis=d, tiled=True)
-        return _copy(key, x)
+        return quantizer.gathered_copy(x, dims, side, gathered)
 
     replicated = NamedSharding(mesh, P())
     results = tuple(replicated for _ in jax.tree.leaves(result_shape))
@@ -301,6 +321,11 @@ def product(
         """The other operand's copy, as `d side`'s product takes it."""
         return saved_copy(other, quantizers[side][1], transposed[side][0], "rhs")
 
+    shares = recipe.forward == (recipe.d_rhs[1], recipe.d_lhs[1]) and all(
+        q.per_tensor for q in recipe.forward
+    )
+    shared_forward = dataclasses.replace(forward, copies=(shares, shares))
+
     @jax.custom_vjp
     def f(lhs, rhs):
         return fwd(lhs, rhs)[0]
@@ -310,8 +335,15 @@ def product(
             return cast(_straight_through(forward, lhs, rhs), out_dtype), (lhs, rhs)
         # Saved quantized, the operands have no tangents (differentiating them raises).
         lhs, rhs = to_be_saved_quantized((lhs, rhs))
-        out = scaled_product(forward, lhs, rhs)
-        return cast(out, out_dtype), (lhs, rhs, copy_for("lhs", rhs), copy_for("rhs", lhs))
+        copies = (copy_for("lhs", rhs), copy_for("rhs", lhs))
+        if shares:  # Copies with one scale per tensor serve this product too.
+            out = scaled_product(shared_forward, lhs, rhs, *copies[1], *copies[0])
+        else:
+            out = scaled_product(forward, lhs, rhs)
+            # Made in the forward pass: left free, XLA may fuse a weight's copy with
+            # the optimizer's update, which waits on the gradient's all-reduce.
+            out, copies = lax.optimization_barrier((out, copies))
+        return cast(out, out_dtype), (lhs, rhs, *copies)
 
     def bwd(res, g):
         bars = []
