@@ -124,3 +124,75 @@ def test_transposed_dims_are_jaxs_transpose(dims, shapes):
         t_dims, order = shard_local.transposed_dims(dims, (lhs.ndim, rhs.ndim), side)
         got = jax.lax.transpose(jax.lax.dot_general(g, other, t_dims), order)
         np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
+
+
+EXPLICIT = {  # (x's spec, w's spec, the product's out_sharding)
+    "data": (P("x"), P(), None),
+    "columns": (P(), P(None, "x"), None),
+    "contraction": (P(None, None, "x"), P("x"), P()),
+}
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("layout", EXPLICIT)
+def test_under_explicit_sharding_the_types_partition_the_products(scaling, layout):
+    # Shardings in types (`AxisType.Explicit`): each product is partitioned as
+    # `jit` partitions it, read from the operands' types; each gradient has its
+    # operand's sharding; the result `lax.dot_general`'s (or `out_sharding`).
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.integers(-4, 5, size=(16, 4, 32)) / 8, jnp.float32)
+    w = jnp.asarray(rng.integers(-4, 5, size=(32, 24)) / 4, jnp.float32)
+    x_spec, w_spec, out_sharding = EXPLICIT[layout]
+
+    def spec(a):
+        return P(*[*jax.typeof(a).sharding.spec, *[None] * a.ndim][: a.ndim])
+
+    def loss(x, w):
+        y = jmp.fp8_dot_general(x, w, DIMS, scaling=scaling, out_sharding=out_sharding)
+        assert spec(y) == spec(jax.lax.dot_general(x, w, DIMS, out_sharding=out_sharding))
+        return jnp.sum(jnp.tanh(y))
+
+    with jax.set_mesh(mesh):
+        xs, ws = jax.device_put(x, x_spec), jax.device_put(w, w_spec)
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        value, grads = step(xs, ws)
+        compiled = step.lower(xs, ws).compile().as_text()
+    assert [spec(g) for g in grads] == [spec(xs), spec(ws)]
+    assert spec(xs) != spec(ws) or layout == "contraction"
+    assert maxima_and_gathers(compiled)[0] == 0  # each device's own scales
+    exact = jax.value_and_grad(
+        lambda x, w: jnp.sum(jnp.tanh(jnp.einsum("bsi,io->bso", x, w, precision="highest"))),
+        argnums=(0, 1),
+    )(x, w)
+    if scaling != "nvfp4":  # e2m1 elements: the operands are not exact in FP4
+        np.testing.assert_allclose(value, exact[0], rtol=1e-5)  # the sum's order
+        for got, want in zip(grads, exact[1]):
+            np.testing.assert_allclose(got, want, atol=0.07 * float(jnp.abs(want).max()))
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float8", "mixed_mxfp8"])
+def test_a_policy_runs_a_model_whose_types_hold_its_shardings(policy):
+    # A linen model under `with_policy` and `autocast`, data parallel with
+    # explicit axes: its kernel's gradient replicated as the kernel is (and
+    # `autocast` keeps the types' shardings through `jax.nn.relu`'s own jit).
+    import flax.linen as nn
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    model = nn.Sequential([nn.Dense(32), nn.relu, nn.Dense(8)])
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(16, 32)), jnp.float32)
+    params = model.init(jax.random.key(0), x)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, P("x"))
+        for transform in (jmp.with_policy, jmp.autocast):
+            apply = transform(model.apply, policy)
+            grads = jax.jit(jax.grad(lambda p, x: jnp.sum(apply(p, x).astype(jnp.float32) ** 2)))(
+                params, xs
+            )
+            kernel = grads["params"]["layers_0"]["kernel"]
+            assert not any(jax.typeof(kernel).sharding.spec), policy
+            assert bool(jnp.all(jnp.isfinite(kernel))) and float(jnp.abs(kernel).max()) > 0

@@ -511,6 +511,19 @@ def _structure(jaxpr: Jaxpr) -> tuple:
     return (len(jaxpr.constvars), signature, tuple(eqns), tuple(used(v) for v in jaxpr.outvars))
 
 
+def stand_in(aval: Any, dtype: Any, weak_type: bool | None = None) -> jax.ShapeDtypeStruct:
+    """A tracing stand-in of `aval` in `dtype`: its shape, weak type (unless
+    given), and its sharding where its type holds one (explicit mesh axes)."""
+    sharding = getattr(aval, "sharding", None)
+    explicit = sharding is not None and jax.sharding.AxisType.Explicit in sharding.mesh.axis_types
+    return jax.ShapeDtypeStruct(
+        aval.shape,
+        dtype,
+        weak_type=aval.weak_type if weak_type is None else weak_type,
+        sharding=sharding if explicit else None,
+    )
+
+
 def shaped(var: Any) -> jax.core.ShapedArray:
     """The abstract value (shape, dtype, weak type) of a jaxpr variable or literal."""
     aval = var.aval

@@ -73,14 +73,11 @@ def _rewrite_closed(closed, rules, in_dtypes, out_dtypes=None):
         outs = _eval(closed.jaxpr, closed.consts, args, rules)
         return outs if out_dtypes is None else _outputs_as(outs, out_dtypes)
 
-    specs = [
-        jax.ShapeDtypeStruct(a.shape, d, weak_type=a.weak_type)
-        for a, d in zip(closed.in_avals, in_dtypes)
-    ]
+    specs = [ji.stand_in(a, d) for a, d in zip(closed.in_avals, in_dtypes)]
     if closed.consts:
         return jax.make_jaxpr(fn)(*specs)  # Arrays a key does not compare.
     signature = (
-        tuple((s.shape, s.dtype, s.weak_type) for s in specs),
+        tuple((s.shape, s.dtype, s.weak_type, s.sharding) for s in specs),
         None if out_dtypes is None else tuple(out_dtypes),
     )
     return _shared("program", closed.jaxpr, rules, signature, lambda: jax.make_jaxpr(fn)(*specs))
@@ -543,7 +540,7 @@ def _widened(values):
     """Stand-ins for `values`, the floating ones in float32 (or the wider dtype among them):
     what a float32 program computes and writes then fits its buffers."""
     wide = widest([_F32, *(x.dtype for x in values if is_float(x))])
-    return [jax.ShapeDtypeStruct(np.shape(x), wide) if is_float(x) else x for x in values]
+    return [ji.stand_in(jax.typeof(x), wide, weak_type=False) if is_float(x) else x for x in values]
 
 
 _TRACED = object()  # The place of an array result in `trace_and_eval`.

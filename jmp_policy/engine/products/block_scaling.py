@@ -321,23 +321,29 @@ def block_scaled_product(
         # Nothing to scale: the (empty, or all-zero) product itself.
         return cast(lax.dot_general(lhs, rhs, dims, preferred_element_type=F32), out_dtype)
     f = _shared_block_product(
-        dims, np.dtype(out_dtype), fmt, residuals, np.dtype(results_dtype),
+        dims, np.dtype(out_dtype), fmt, residuals, np.dtype(results_dtype), out_sharding,
         # A trace made under the other setting of the CPU form is not reused.
         cpu_form=cpu_form.in_use(),
     )  # fmt: skip
-    out = f(lhs, rhs)
-    return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
+    return f(lhs, rhs)
 
 
 @shared_factory
 def _shared_block_product(
-    dims: Any, out_dtype: np.dtype, fmt: str, residuals: str, results: np.dtype, *, cpu_form: bool
+    dims: Any,
+    out_dtype: np.dtype,
+    fmt: str,
+    residuals: str,
+    results: np.dtype,
+    out_sharding: Any,
+    *,
+    cpu_form: bool,
 ) -> Callable:
     """One signature's product: an inlined `jax.jit`, traced once per shape."""
     del cpu_form  # Only a key: the tangent products read the setting as they trace.
     return ji.inlined_jit(
         functools.partial(
             shard_local.product, dims=dims, out_dtype=out_dtype, recipe=RECIPES[fmt],
-            precision=None, residuals=residuals, results=results,
+            precision=None, residuals=residuals, results=results, out_sharding=out_sharding,
         )
     )  # fmt: skip

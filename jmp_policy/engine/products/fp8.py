@@ -280,11 +280,12 @@ def _shared_fp8_product(
     """`fp8_product`'s function of one signature: an inlined `jax.jit`, so that
     JAX traces, differentiates and transposes it once (see `accumulating_dot`)."""
     del cpu_form  # Only a key: the products read the setting as they trace.
-    if scaling == "tensor" and out_sharding is None:
+    if scaling == "tensor":
         return ji.inlined_jit(
             functools.partial(
                 shard_local.product, dims=dims, out_dtype=out_dtype, recipe=PER_TENSOR,
                 precision=precision, residuals=residuals, results=results,
+                out_sharding=out_sharding,
             )
         )  # fmt: skip
     return ji.inlined_jit(

@@ -13,7 +13,9 @@ multiplies, scales its partial result back, and only then sums the partial
 results over the mesh axes the contraction is sharded on (in the results
 dtype, as a bf16 product's sum is). So no scale meets a collective, and a
 sharded program sends what its bf16 twin sends. Where nothing is partitioned
-(one device, `shard_map`, `pmap`, `vmap`) the product is the one written.
+(one device, `shard_map`, `pmap`, `vmap`) the product is the one written;
+where types hold shardings (explicit mesh axes), the same partitioning is
+read from them as the program is traced and runs under `jax.shard_map`.
 
 A recipe's quantizers (`fp8_format.TensorScaling`,
 `block_scaling.BlockScaling`) say how an operand is quantized for a product
@@ -257,13 +259,50 @@ def scaled_product(spec: Spec, lhs: jax.Array, rhs: jax.Array, *copies: jax.Arra
     """The low-precision product `spec` describes, in `spec.results`; each
     device's blocks scaled on their own where `jit` partitions it. `copies`:
     the copy of each operand `spec.copies` names."""
-    return _product(spec)(lhs, rhs, *copies)
+    arrays = (lhs, rhs, *copies)
+    if _explicit_mesh(arrays) is not None:
+        result = jax.ShapeDtypeStruct(_out_shape(spec.dims, lhs.shape, rhs.shape), spec.results)
+        return _in_shard_map(functools.partial(_partition_product, spec), arrays, result)
+    return _product(spec)(*arrays)
 
 
 def saved_copy(x: jax.Array, quantizer: Quantizer, dims: Dims, side: str) -> tuple[jax.Array, ...]:
-    """`x` quantized as the product `dims` takes it on `side`: what that
-    product takes where it is not partitioned (see `Spec.copies`)."""
-    return tuple(_copier((quantizer, dims, side))(x))
+    """`x` quantized as the product `dims` takes it on `side`: the copy a
+    product multiplying the whole of `x` takes (see `Spec.copies`)."""
+    key = (quantizer, dims, side)
+    if _explicit_mesh((x,)) is not None:
+        copy = jax.eval_shape(functools.partial(_copy, key), jax.ShapeDtypeStruct(x.shape, x.dtype))
+        return tuple(_in_shard_map(functools.partial(_partition_copy, key), (x,), copy))
+    return tuple(_copier(key)(x))
+
+
+def _laid_out(x: jax.Array, sharding: Any) -> jax.Array:
+    """`x` resharded as `sharding` says (a type's on no mesh, an unplaced
+    array's: replicated on the context mesh)."""
+    if sharding is None:
+        return x
+    mesh = getattr(sharding, "mesh", None)
+    return jax.sharding.reshard(x, sharding.spec if mesh is not None and mesh.empty else sharding)
+
+
+def _explicit_mesh(arrays: Any) -> Any:
+    """The mesh with explicit axes (where types hold shardings) the arrays'
+    types or the context are on; None if there is none."""
+    meshes = (*(jax.typeof(x).sharding.mesh for x in arrays), jax.sharding.get_abstract_mesh())
+    return next((m for m in meshes if jax.sharding.AxisType.Explicit in m.axis_types), None)
+
+
+def _in_shard_map(partition: Callable, arrays: Any, result: Any) -> Any:
+    """`partition`'s function (as `custom_partitioning` would call it) under
+    `jax.shard_map`, where types hold shardings and the partitioning is read
+    from them as the program is traced."""
+    types = [jax.typeof(x) for x in arrays]
+    mesh, lower, out, args = partition(_explicit_mesh(arrays), types, result)
+    specs = jax.tree.map(lambda s: s.spec, (args, out))
+    placed = [jax.sharding.reshard(x, spec) for x, spec in zip(arrays, specs[0])]
+    # Replicated where `partition` says so (gathered, or summed): not inferred.
+    mapped = jax.shard_map(lower, mesh=mesh, in_specs=specs[0], out_specs=specs[1], check_vma=False)
+    return mapped(*placed)
 
 
 def _straight_through(spec: Spec, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -297,12 +336,24 @@ def product(
     precision: Any,
     residuals: str,
     results: np.dtype,
+    out_sharding: Any = None,
 ) -> jax.Array:
     """`lax.dot_general(lhs, rhs, dims)` by `recipe`, both passes (a `jax.custom_vjp`),
     every product a `scaled_product`; saving `residuals` for the backward pass
-    (`"quantized"`: the copies and the operands, as above; `"operands"`)."""
+    (`"quantized"`: the copies and the operands, as above; `"operands"`). The
+    result laid out as `out_sharding` says, as in `lax.dot_general`."""
     ndims = (lhs.ndim, rhs.ndim)
     lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
+    # Where types hold shardings (or one is asked for): the result's is
+    # `lax.dot_general`'s (which raises where it is ambiguous, or refuses
+    # `out_sharding`), each operand's gradient its operand's.
+    shardings: tuple[Any, Any, Any] = (None, None, None)
+    if out_sharding is not None or _explicit_mesh((lhs, rhs)) is not None:
+        result = jax.eval_shape(
+            functools.partial(lax.dot_general, dimension_numbers=dims, out_sharding=out_sharding),
+            lhs, rhs,
+        )  # fmt: skip
+        shardings = tuple(jax.typeof(x).sharding for x in (result, lhs, rhs))
     forward = Spec(dims, ndims, recipe.forward, results, precision)
     lf, rf = free_dims(dims, ndims)
     out_ndim = len(dims[1][0]) + len(lf) + len(rf)
@@ -332,7 +383,8 @@ def product(
 
     def fwd(lhs, rhs):
         if residuals == "operands":
-            return cast(_straight_through(forward, lhs, rhs), out_dtype), (lhs, rhs)
+            out = _laid_out(_straight_through(forward, lhs, rhs), shardings[0])
+            return cast(out, out_dtype), (lhs, rhs)
         # Saved quantized, the operands have no tangents (differentiating them raises).
         lhs, rhs = to_be_saved_quantized((lhs, rhs))
         copies = (copy_for("lhs", rhs), copy_for("rhs", lhs))
@@ -343,18 +395,18 @@ def product(
             # Made in the forward pass: left free, XLA may fuse a weight's copy with
             # the optimizer's update, which waits on the gradient's all-reduce.
             out, copies = lax.optimization_barrier((out, copies))
-        return cast(out, out_dtype), (lhs, rhs, *copies)
+        return cast(_laid_out(out, shardings[0]), out_dtype), (lhs, rhs, *copies)
 
     def bwd(res, g):
         bars = []
-        for side, dtype in (("lhs", lhs_dtype), ("rhs", rhs_dtype)):
+        for side, dtype, sharding in zip(("lhs", "rhs"), (lhs_dtype, rhs_dtype), shardings[1:]):
             other = res[1] if side == "lhs" else res[0]
             if residuals == "operands":
                 bar = _straight_through(backward(side), g, other)
             else:
                 copy = res[2] if side == "lhs" else res[3]
                 bar = scaled_product(backward(side, copied=True), g, other, *copy)
-            bars.append(cast(lax.transpose(bar, transposed[side][1]), dtype))
+            bars.append(cast(_laid_out(lax.transpose(bar, transposed[side][1]), sharding), dtype))
         return tuple(bars)
 
     # Traced once per signature: every product of it shares this backward.
