@@ -380,7 +380,15 @@ def test_nnx_policy_module_applies_rowwise(outlier_batch):
 
 
 @pytest.mark.parametrize(
-    "policy", ["mixed_float8", ROWWISE, "mixed_mxfp8", "mixed_nvfp4", "mixed_mxfp8,r=f32"]
+    "policy",
+    [
+        "mixed_float8",
+        ROWWISE,
+        "mixed_mxfp8",
+        "mixed_nvfp4",
+        ROWWISE + ",r=f32",
+        "mixed_mxfp8,r=f32",
+    ],
 )
 def test_jit_over_8_devices_gives_the_single_device_step(policy):
     if len(jax.devices()) < 8:
@@ -416,20 +424,19 @@ def test_jit_over_8_devices_gives_the_single_device_step(policy):
     assert out[0]["params"]["body"]["kernel"].sharding.is_fully_replicated
     # Per tensor, each device scales its own part of the batch (no amax is
     # reduced across devices), so the kernels, updated by the FP8 weight-
-    # gradient products, are the single device's up to FP8 rounding (measured:
-    # 5e-4 of their norm). Row-wise, the amaxes over the sharded batch are
-    # global: the single device's up to the order of the sums. Each device's
-    # part of a product is rounded to the reduce dtype before they are summed:
-    # exact here for the row-wise products (e5m2 x e4m3 terms, 4 a device),
-    # rounded for the block formats' e4m3 x e4m3 ones (measured: 6e-5 of the
-    # kernels' norm; none under `r=f32`). The biases' gradients are bfloat16
+    # gradient products, are the single device's up to FP8 rounding. Row-wise,
+    # the amaxes over the sharded batch are global. Each device's part of a
+    # product is rounded to the reduce dtype before they are summed (measured:
+    # 6e-5 of the kernels' norm for each format; none under `r=f32`; XLA:CPU
+    # before jaxlib 0.12.1 dropped that rounding for the row-wise products,
+    # which it ran in float32). The biases' gradients are bfloat16
     # sums over the batch, which XLA adds up per device first (measured: 0.9%
     # off; 1e-7 under a float32 compute dtype).
     # NVFP4 rounds gradients stochastically, from each value's bits and place
     # in the blocks a device holds: sharded, the noise is other than one
     # device's. Both are held to float32's step (measured: 0.23 and 0.10 of
     # the body's bias, the one leaf the noise moves beyond 2%).
-    rounded = policy in ("mixed_float8", "mixed_mxfp8", "mixed_nvfp4")
+    rounded = policy in ("mixed_float8", ROWWISE, "mixed_mxfp8", "mixed_nvfp4")
     exact = jax.jit(step_of(model.apply))(params, tx.init(params), x, y)
     for a, b, c in zip(*(map(np.asarray, jax.tree.leaves(s)) for s in (out, single, exact))):
         assert a.shape == b.shape
