@@ -127,11 +127,14 @@ def test_the_benchmark_model_is_the_example_model():
 
 
 def test_cpu_dot_benchmark_compares_the_cpu_form_with_the_dot_as_written():
-    # The attention product XLA:CPU rejects as written runs in the CPU form,
-    # with float32's values (bf16 inputs, float32 accumulation); the Dense
-    # products run both ways with the same values.
+    # The attention product XLA:CPU rejects as written before jaxlib 0.12.1
+    # (where the form is on by default) runs in the CPU form, with float32's
+    # values (bf16 inputs, float32 accumulation); the Dense products run both
+    # ways with the same values.
     import jax
     import numpy as np
+
+    from jmp_policy.engine.products import cpu_form
 
     cpu_dot = import_benchmark("cpu_dot")
 
@@ -141,7 +144,10 @@ def test_cpu_dot_benchmark_compares_the_cpu_form_with_the_dot_as_written():
         "attention backward", "MLP train step",
     ]  # fmt: skip
     f32, written, cpu = (cpu_dot.ready(b) for b in cases["attention backward"])
-    assert isinstance(written, str) and "DotThunk" in written, written
+    if cpu_form.cpu_bf16_dot_workaround({}):
+        assert isinstance(written, str) and "DotThunk" in written, written
+    else:
+        np.testing.assert_array_equal(jax.device_get(written()), jax.device_get(cpu()))
     np.testing.assert_allclose(jax.device_get(cpu()), jax.device_get(f32()), rtol=2e-2, atol=0.5)
     f32, written, cpu = (cpu_dot.ready(b) for b in cases["dense dw [T,K]x[T,N]"])
     np.testing.assert_array_equal(jax.device_get(cpu()), jax.device_get(written()))

@@ -1,11 +1,12 @@
 """Half-precision products in every layout a train step produces, run on this CPU.
 
-XLA:CPU rejects some bf16 x bf16 -> f32 dots ("UNIMPLEMENTED: Unsupported
-element type for DotThunk::Execute: BF16 x BF16 = F32"), depending on the
-layout and the sizes, on CPUs with and without AVX512-BF16 alike; JAX
-refuses to lower the F16_F16_F32 algorithm that `jax.nn.dot_product_attention`
-asks for. jmp_policy emits every half product on the CPU platform in a form
-XLA:CPU runs (`jmp_policy/engine/products/half.py`). Here each policy that makes half
+Before jaxlib 0.12.1, XLA:CPU rejects some bf16 x bf16 -> f32 dots
+("UNIMPLEMENTED: Unsupported element type for DotThunk::Execute: BF16 x BF16
+= F32"), depending on the layout and the sizes, on CPUs with and without
+AVX512-BF16 alike, and JAX refuses to lower the F16_F16_F32 algorithm that
+`jax.nn.dot_product_attention` asks for: under those jaxlibs jmp_policy emits
+every half product on the CPU platform in a form XLA:CPU runs
+(`jmp_policy/engine/products/cpu_form.py`). Here each policy that makes half
 or FP8 products (`autocast` in bf16 and f16, `m=bf16`, `m=f16`,
 `mixed_float8`) runs one function holding a product of every layout:
 `dot_general` with either operand transposed, batch dimensions leading, in
@@ -14,9 +15,11 @@ attention, a product with the F16_F16_F32 algorithm, and convolutions
 (strided, dilated, grouped); forward and backward (a VJP with a random
 cotangent), compared with float32 with a tolerance per dtype.
 
-With the CPU form turned off, the same function fails on this jaxlib
-(`test_without_the_cpu_form_the_layouts_fail`): that is how the test is known
-to catch the bug.
+With the CPU form turned off, the same function fails on a jaxlib before
+0.12.1, where the form is on by default
+(`test_the_cpu_form_is_on_where_this_jaxlib_needs_it`): that is how the test
+is known to catch the bug. From jaxlib 0.12.1 on, XLA:CPU runs every layout
+as written, the form is off, and the products here run as written.
 """
 
 from __future__ import annotations
@@ -221,10 +224,10 @@ def test_every_product_of_the_program_is_a_half_or_fp8_product(policy):
         assert op.result_types == ("f32",), op.line
 
 
-def test_without_the_cpu_form_the_layouts_fail(monkeypatch):
+def test_the_cpu_form_is_on_where_this_jaxlib_needs_it(monkeypatch):
     # The bug this file guards against, shown on this jaxlib: with the CPU form
-    # off, the same bfloat16 products fail to run (or, if XLA:CPU has been
-    # fixed, the form could go: then this test says so and skips).
+    # off, the same bfloat16 products fail to run before jaxlib 0.12.1, where
+    # the form is on by default; from 0.12.1 on they run, and it is off.
     monkeypatch.setattr(cpu_form, "_CPU_BF16_DOT_WORKAROUND", False)
     fn = forward_and_backward(jmp.autocast(lambda ops: products(ops), POLICIES["m=bf16"][0]))
     try:
@@ -235,23 +238,31 @@ def test_without_the_cpu_form_the_layouts_fail(monkeypatch):
             "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32" in message
             or "is not supported by dot_general on CPU" in message
         ), message
+        assert cpu_form.cpu_bf16_dot_workaround({}), f"jaxlib {jax.__version__} needs the form"
     else:
-        pytest.skip(f"jaxlib {jax.__version__} runs every layout without the CPU form")
+        assert not cpu_form.cpu_bf16_dot_workaround({}), "the form is not needed here"
 
 
-def test_the_cpu_form_can_be_turned_off_by_the_environment():
-    from jmp_policy.engine.products.cpu_form import cpu_bf16_dot_workaround
-
-    assert cpu_bf16_dot_workaround({}) is True  # The default, on every CPU.
-    assert cpu_bf16_dot_workaround({"JMP_POLICY_CPU_BF16_DOT_WORKAROUND": "0"}) is False
-    assert cpu_bf16_dot_workaround({"JMP_POLICY_CPU_BF16_DOT_WORKAROUND": "1"}) is True
+def test_the_cpu_form_follows_the_jaxlib_unless_the_environment_says():
+    needs, fixed = (0, 12, 0, 1), cpu_form.FIXED_IN
+    assert cpu_form.cpu_bf16_dot_workaround({}, needs) is True
+    assert cpu_form.cpu_bf16_dot_workaround({}, fixed) is False
+    assert cpu_form.cpu_bf16_dot_workaround({}, (0, 13, 0)) is False
+    for version in (needs, fixed):
+        off = {"JMP_POLICY_CPU_BF16_DOT_WORKAROUND": "0"}
+        assert cpu_form.cpu_bf16_dot_workaround(off, version) is False
+        on = {"JMP_POLICY_CPU_BF16_DOT_WORKAROUND": "1"}
+        assert cpu_form.cpu_bf16_dot_workaround(on, version) is True
+    assert cpu_form.jaxlib_version("0.12.0.1") == (0, 12, 0, 1)
+    assert cpu_form.jaxlib_version("0.13.0.dev20261201") == (0, 13, 0)
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_half_operands_asking_for_a_float32_result_take_the_cpu_form_too(policy):
+def test_half_operands_asking_for_a_float32_result_run_on_the_cpu(policy):
     # The layers' dtype fields (`PolicyModule`) make the operands half before
     # the engine sees them; `jax.nn.dot_product_attention` asks for a float32
-    # result (F16_F16_F32, which XLA:CPU refuses): the CPU form runs it.
+    # result (F16_F16_F32, which XLA:CPU refuses before jaxlib 0.12.1, where
+    # the CPU form runs it).
     from flax import nnx
 
     import jmp_policy.nnx

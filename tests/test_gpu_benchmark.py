@@ -228,12 +228,16 @@ def test_gpu_sh_lower_only_prints_what_a_gpu_would_run(lower_only_run):
         assert highest == ("27" if name == "float32 HIGHEST" else "0"), name
 
 
-def test_the_check_sees_the_cpu_form_where_there_is_one():
+def test_the_check_sees_the_cpu_form_where_there_is_one(monkeypatch):
     # Not vacuous: the same program lowered for the CPU holds the CPU-only
-    # form of its half products, and `check` reports it.
+    # form of its half products (on, as under a jaxlib that needs it), and
+    # `check` reports it.
     import jax
     import jax.numpy as jnp
 
+    from jmp_policy.engine.products import cpu_form
+
+    monkeypatch.setattr(cpu_form, "_CPU_BF16_DOT_WORKAROUND", True)
     _gpu_lowering = import_benchmark("_gpu_lowering")
 
     cfg = bench.CONFIGS["tiny"]

@@ -118,9 +118,12 @@ def test_the_cpu_form_setting_is_not_reused_across(monkeypatch):
         text = grad().lower(w).as_text(debug_info=True)
         return text.count(cpu_form.SCOPE)
 
-    assert scopes() > 0  # The CPU form, on by default, traced first ...
+    monkeypatch.setattr(cpu_form, "_CPU_BF16_DOT_WORKAROUND", True)
+    assert scopes() > 0  # The CPU form, traced first ...
     monkeypatch.setattr(cpu_form, "_CPU_BF16_DOT_WORKAROUND", False)
-    assert scopes() == 0  # ... is not what a trace with it off gets.
+    assert scopes() == 0  # ... is not what a trace with it off gets ...
+    monkeypatch.setattr(cpu_form, "_CPU_BF16_DOT_WORKAROUND", True)
+    assert scopes() > 0  # ... nor the reverse.
 
 
 def test_matmul_rewrite_leaves_product_free_nested_programs_as_traced():

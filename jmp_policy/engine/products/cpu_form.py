@@ -1,41 +1,59 @@
 """The CPU form: half x half -> float32 dots as XLA:CPU runs them.
 
-XLA:CPU (jaxlib 0.10.2) rejects some bf16 x bf16 -> f32 dots: "UNIMPLEMENTED:
-Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32". Which ones
-depends on the layout, the sizes and what XLA fuses around the dot (e.g.
-[2,2,8,6] x [2,6,2,8] with batch dimensions (0, 1) and (0, 2); [8,6] x [6,8,6]
-contracting 0 with 1), not on the CPU's instructions: they fail with and
-without AVX512-BF16 and under --xla_cpu_max_isa=AVX2 or SSE4_2 alike. One form
-ran in every case tried (tests/test_cpu_layouts.py, the test suite, random
-layouts): both operands transposed to [B, K, M] and [B, K, N]. Dense-like
-dots left as written (XLA:CPU runs them up to 2x faster with bf16
-instructions) failed in context: XLA folds transposes around them into a
-form it rejects. So on the CPU platform every half x half -> f32 dot takes
-the [B, K, .] form (its cost: benchmarks/cpu_dot.py), and loses any
-DotAlgorithmPreset: JAX refuses to lower F16_F16_F32 (asked for by
-jax.nn.dot_product_attention) for CPU, and half operands with float32
-accumulation is what the form computes anyway.
+XLA:CPU before jaxlib 0.12.1 rejects some bf16 x bf16 -> f32 dots:
+"UNIMPLEMENTED: Unsupported element type for DotThunk::Execute: BF16 x BF16
+= F32". Which ones depends on the layout, the sizes and what XLA fuses around
+the dot (e.g. [2,2,8,6] x [2,6,2,8] with batch dimensions (0, 1) and (0, 2);
+[8,6] x [6,8,6] contracting 0 with 1), not on the CPU's instructions: they
+fail with and without AVX512-BF16 and under --xla_cpu_max_isa=AVX2 or SSE4_2
+alike. One form ran in every case tried (tests/test_cpu_layouts.py, the test
+suite, random layouts): both operands transposed to [B, K, M] and [B, K, N].
+Dense-like dots left as written failed in context: XLA folds transposes
+around them into a form it rejects. So on the CPU platform, under those
+jaxlibs, every half x half -> f32 dot takes the [B, K, .] form (its cost:
+benchmarks/cpu_dot.py), and loses any DotAlgorithmPreset: JAX refuses to
+lower F16_F16_F32 (asked for by jax.nn.dot_product_attention) for CPU, and
+half operands with float32 accumulation is what the form computes anyway.
+jaxlib 0.12.1 runs every one of them as written (the whole test suite, with
+the form off), so from it on the dots stay as written.
 `lax.platform_dependent` keeps the branch out of GPU and TPU programs, which
-get the dot as written. JMP_POLICY_CPU_BF16_DOT_WORKAROUND=0 turns it off (to
-check a newer jaxlib).
+get the dot as written. JMP_POLICY_CPU_BF16_DOT_WORKAROUND=1 or 0 turns it
+on or off whatever the jaxlib.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jaxlib
 import numpy as np
 from jax import lax
 
 from jmp_policy.core.dtypes import F32, HALF_DTYPES
 
+# The first jaxlib whose XLA:CPU runs every half x half -> f32 dot as written.
+FIXED_IN = (0, 12, 1)
 
-def cpu_bf16_dot_workaround(env: Mapping[str, str] = os.environ) -> bool:
-    """Whether half x half -> f32 dots on the CPU platform take the form XLA:CPU runs."""
-    return env.get("JMP_POLICY_CPU_BF16_DOT_WORKAROUND", "1") != "0"
+
+def jaxlib_version(version: str = jaxlib.__version__) -> tuple[int, ...]:
+    """`version`'s release numbers: "0.12.0.1" is (0, 12, 0, 1), "0.13.0.dev1" (0, 13, 0)."""
+    release = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(n) for n in release.group().split(".")) if release else ()
+
+
+def cpu_bf16_dot_workaround(
+    env: Mapping[str, str] = os.environ, version: tuple[int, ...] = jaxlib_version()
+) -> bool:
+    """Whether half x half -> f32 dots on the CPU platform take the form XLA:CPU runs:
+    under a jaxlib before `FIXED_IN`, unless the environment says otherwise."""
+    setting = env.get("JMP_POLICY_CPU_BF16_DOT_WORKAROUND")
+    if setting is None:
+        return version < FIXED_IN
+    return setting != "0"
 
 
 _CPU_BF16_DOT_WORKAROUND = cpu_bf16_dot_workaround()
