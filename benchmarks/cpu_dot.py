@@ -1,14 +1,16 @@
 """What the CPU form of half-precision products costs on this CPU.
 
-XLA:CPU rejects some bf16 x bf16 -> f32 dots ("Unsupported element type for
-DotThunk::Execute"), so on the CPU platform jmp_policy emits every
-half x half -> f32 product as one 3-D dot with a leading batch dimension
-(`jmp_policy/engine/products/cpu_form.py`). This benchmark times that form against the
-dot as written, where the dot as written runs, and reports where it fails:
+XLA:CPU before jaxlib 0.12.1 rejects some bf16 x bf16 -> f32 dots
+("Unsupported element type for DotThunk::Execute"), so on the CPU platform,
+under those jaxlibs, jmp_policy emits every half x half -> f32 product as
+one 3-D dot with a leading batch dimension
+(`jmp_policy/engine/products/cpu_form.py`). This benchmark times that form
+against the dot as written, where the dot as written runs, and reports
+where it fails (under any jaxlib: it turns the form on and off itself):
 
   dense fwd / dx / dw   the three products of a Dense layer's train step,
                         [T, K] x [K, N] (T = 2048, K = N = 512 quick: 256)
-  attention backward    the product XLA:CPU rejects in the backward pass of
+  attention backward    the product XLA:CPU rejected in the backward pass of
                         attention: [B, H, D, S] x [B, S, H, D] over (B, H)
   MLP train step        a 4 x 256 MLP (batch 256), `with_policy` with
                         "p=f32,c=bf16,o=f32,m=bf16,r=f32", the README's train step
