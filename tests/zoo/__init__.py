@@ -19,8 +19,9 @@ A model is described by a `LinenSpec` or an `NnxSpec`:
 * `kept_f32[variant]`: how many matmuls/convolutions of the lowered train
   step keep float32 (or complex) operands under that half-precision variant,
   and why (a rule, the model's own float32 maths, complex numbers);
-* `cpu_error[variant]`: the error with which the variant fails on a CPU, not
-  jmp_policy's (the hand-written model fails the same way); tested as such.
+* `cpu_error[variant]`: the error with which the variant fails on a CPU where
+  JAX cannot lower the hand-written model either (not jmp_policy's; before
+  jaxlib 0.12.1); tested as such, and as training where JAX lowers both.
 """
 
 from __future__ import annotations

@@ -146,9 +146,9 @@ def nnx_loss(model, batch):
 
 
 # Not jmp_policy's: Flax NNX attention calls jax.nn.dot_product_attention, which
-# asks float16 queries for the F16_F16_F32 dot algorithm, and JAX refuses to
-# lower that for a CPU under jit (eagerly it falls back); the same model written
-# by hand with dtype=jnp.float16 fails identically. Under a matmul dtype
+# asks float16 queries for the F16_F16_F32 dot algorithm, and JAX before 0.12.1
+# refuses to lower that for a CPU under jit (eagerly it falls back); the same
+# model written by hand with dtype=jnp.float16 fails identically. Under a matmul dtype
 # ("p=f32,c=f16,o=f32,m=f16") or autocast, jmp_policy makes those products
 # itself, and they run.
 CPU_F16 = "The precision 'F16_F16_F32' is not supported by dot_general on CPU"
