@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from jmp_policy.engine.decision import FLOAT32_PRIMITIVES
 from jmp_policy.engine.decision import HALF_PRIMITIVES
 from jmp_policy.engine.decision import PROMOTE_PRIMITIVES
+from jmp_policy.engine.interpreter import as_written
 from jmp_policy.integrations.autocast import autocast
 from jmp_policy.core.diagnostics import GradientReport
 from jmp_policy.core.diagnostics import diagnose
@@ -94,6 +95,15 @@ def _linen_trace_context():
     return nn.intercept_methods(recording_interceptor())
 
 
+def _flax_dtype_inference(origin: str) -> bool:
+    # A Flax layer with `dtype=None` widens a half input against its kernel.
+    if "flax" not in sys.modules:
+        return False
+    from jmp_policy.integrations.casting import infers_a_layers_dtype
+
+    return infers_a_layers_dtype(origin)
+
+
 def _equinox_state_reader(fn, kwargs, result):
     if "equinox" not in sys.modules:
         return None
@@ -108,6 +118,7 @@ from jmp_policy.integrations.autocast import (  # noqa: E402
     register_trace_context,
 )
 from jmp_policy.integrations.flax_serialization import register_when_flax_loads  # noqa: E402
+from jmp_policy.engine.intent import register_dtype_inference  # noqa: E402
 
 # Linen's first: the NNX handler runs every call that holds no NNX module.
 register_state_handler(_linen_state_handler)
@@ -115,6 +126,7 @@ register_state_handler(_nnx_state_handler)
 register_state_reader(_linen_state_reader)
 register_state_reader(_equinox_state_reader)
 register_trace_context(_linen_trace_context)
+register_dtype_inference(_flax_dtype_inference)
 # Loss scales in `flax.serialization` checkpoints, without importing Flax.
 register_when_flax_loads()
 
@@ -147,6 +159,7 @@ __all__ = (
     "Policy",
     "StaticLossScale",
     "all_finite",
+    "as_written",
     "autocast",
     "cast_to_full",
     "cast_to_half",

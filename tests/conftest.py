@@ -24,4 +24,10 @@ def pytest_configure(config):
 
 # Scripts: gemma_check.py runs in a process of its own (test_corpus.py), where
 # gemma is importable; figures.py prints the corpus table of the docs.
-collect_ignore = ["corpus/gemma_check.py", "corpus/maxtext_check.py", "corpus/figures.py"]
+collect_ignore = [
+    "corpus/gemma_check.py",
+    "corpus/maxtext_check.py",
+    "corpus/kerashub_check.py",
+    "corpus/easydel_check.py",
+    "corpus/figures.py",
+]

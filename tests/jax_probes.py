@@ -73,7 +73,33 @@ def _check_conv_params() -> None:
     )
     _expect(len(ji.conv_dimension_numbers(eqn)) == 3, "conv's (lhs, rhs, out) dimension numbers")
     ji.product_precision(eqn)
-    ji.bind(eqn, [x, x], ji.conv_with_result_type(eqn, np.dtype(np.float32)))
+    ji.bind(eqn, [x, x], ji.with_result_type(eqn, np.dtype(np.float32)))
+
+
+@_probe("ragged_dot_general: a product by name, with a result type")
+def _check_ragged_dot() -> None:
+    lhs, rhs = np.ones((4, 3), np.float32), np.ones((2, 3, 5), np.float32)
+    sizes = np.array([1, 3], np.int32)
+    eqn = _only(_eqns(lambda a, b: lax.ragged_dot(a, b, sizes), lhs, rhs), "ragged_dot_general")
+    _expect(eqn.primitive.name in ji.PRODUCT_NAMES, "ragged_dot_general's name")
+    _expect(len(eqn.invars) == 3, "ragged_dot_general's operands (lhs, rhs, group sizes)")
+    out = ji.bind(eqn, [lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), sizes],
+                  ji.with_result_type(eqn, np.dtype(np.float32)))  # fmt: skip
+    _expect(out.dtype == np.float32 and out.shape == (4, 5), "ragged_dot_general's result type")
+
+
+@_probe("the mesh code is traced under, a `with mesh:` block's too")
+def _check_context_mesh_size() -> None:
+    import warnings
+
+    _expect(ji.context_mesh_size() is None, "no mesh outside a mesh context")
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("a", "b"))
+    with jax.set_mesh(one):
+        _expect(ji.context_mesh_size() == 1, "jax.set_mesh's mesh")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with one:
+            _expect(ji.context_mesh_size() == 1, "a `with mesh:` block's mesh")
 
 
 @_probe("convert_element_type parameters")
@@ -288,6 +314,21 @@ def _check_nested_programs() -> None:
     _expect(
         parts is not None and (len(parts.consts), len(parts.carry), len(parts.xs)) == (0, 1, 1),
         "a scan's constants, carry and scanned inputs",
+    )
+
+    # A transposed scan (the backward pass of one) keeps its parts as JAX 0.12's
+    # nested flat tree: consts, carries and scanned inputs all the same.
+    def scanned(x):
+        return lax.scan(lambda c, _: (jnp.sin(c) @ x, None), x, None, length=2)[0].sum()
+
+    transposed = [e for e in jax.make_jaxpr(jax.grad(scanned))(_X).jaxpr.eqns
+                  if e.primitive.name == "scan"][-1]  # fmt: skip
+    parts = ji.loop_parts(transposed)
+    _expect(
+        parts is not None
+        and len(parts.consts) + len(parts.carry) + len(parts.xs) == len(transposed.invars)
+        and len(parts.carry) >= 1,
+        "a transposed scan's constants, carry and scanned inputs",
     )
     loop = lambda c: lax.while_loop(lambda c: c[0, 0] < 1, lambda c: c + 1, c)  # noqa: E731
     eqn = _only(_eqns(loop, _X), "while")

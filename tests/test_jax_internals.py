@@ -32,6 +32,8 @@ def test_every_internal_has_a_probe():
     expected = {
         "dot_general parameters",
         "conv_general_dilated parameters",
+        "ragged_dot_general: a product by name, with a result type",
+        "the mesh code is traced under, a `with mesh:` block's too",
         "convert_element_type parameters",
         "nested programs: jit and closed_call",
         "nested programs: scan, while_loop, cond",

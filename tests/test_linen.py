@@ -1656,10 +1656,12 @@ def test_a_module_defining_getattr_runs_under_every_policy_and_rule():
     model, x = Net(Config()), jnp.ones((2, 3))
     variables = with_policy(model.init, "mixed_bfloat16")(jax.random.key(0), x)
     for policy, rules, want in [
-        # The model's own `@` of float32 operands takes the compute dtype too:
-        # the engine decides every product, not the layers' fields.
-        ("mixed_bfloat16", None, [("bf16", "bf16")] * 2),
-        ("p=f32,c=bf16,o=f32,m=bf16", None, [("bf16", "bf16")] * 2),
+        # The model's own `@` widens the block's half output back to float32
+        # (`.astype(x.dtype)`): the author's float32, as its own half config
+        # computes it; the block's product takes the policy. With the block
+        # kept in float32 there is no widening, and `@` takes the policy.
+        ("mixed_bfloat16", None, [("bf16", "bf16"), ("f32", "f32")]),
+        ("p=f32,c=bf16,o=f32,m=bf16", None, [("bf16", "bf16"), ("f32", "f32")]),
         ("p=f32,c=bf16,o=f32,m=bf16", {"block": "f32"}, [("f32", "f32"), ("bf16", "bf16")]),
     ]:
         apply = with_policy(model.apply, policy, rules=rules)

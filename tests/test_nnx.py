@@ -687,3 +687,35 @@ def test_policy_module_norms_follow_the_promotion_in_force_when_called():
     assert nnx.jit(lambda m, x: m(x))(made_standard, x).dtype == np.float16
     # The module held is configured once, as `with_policy` made it; calls change only their copy.
     assert made_strict.module.norm.dtype == F32 and made_standard.module.norm.dtype == BF16
+
+
+class _Dropped(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 4, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(self.dense(x))
+
+
+@pytest.mark.parametrize("front_end", ["policy_module", "autocast"])
+def test_grad_over_a_merge_inside_the_loss_with_an_rngs_stream(front_end):
+    # EasyDeL's trainer: `state.merge(tree)` inside `jax.value_and_grad`, the
+    # non-parameter state (Dropout's `Rngs` counts) behind `stop_gradient`.
+    model = _Dropped(nnx.Rngs(0, dropout=1))
+    if front_end == "policy_module":
+        model = jnnx.PolicyModule(model, "mixed_bfloat16")
+    graphdef, params, other = nnx.split(model, nnx.Param, ...)
+    x = jnp.ones((2, 4))
+
+    def loss(params):
+        rest = jax.tree.map(jax.lax.stop_gradient, other)
+        merged = nnx.merge(graphdef, params, rest)
+        call = merged if front_end == "policy_module" else jmp.autocast(merged, "mixed_bfloat16")
+        return jnp.mean(jnp.square(call(x).astype(jnp.float32)))
+
+    for step in (jax.grad(loss), jax.jit(jax.grad(loss))):
+        grads = step(params)
+        leaves = jax.tree.leaves(grads)
+        assert leaves and all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
+        assert any(bool(jnp.any(g != 0)) for g in leaves)

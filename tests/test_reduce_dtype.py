@@ -123,9 +123,11 @@ def _grad_fn(front_end, policy):
 
 @pytest.mark.parametrize("front_end", ["with_policy", "autocast", "nnx"])
 @pytest.mark.parametrize("reduce, results", [("", "bf16"), (",r=f32", "f32")])
-@pytest.mark.parametrize("matmul", ["bf16", "f8", "f8_rowwise", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("matmul", ["none", "bf16", "f8", "f8_rowwise", "mxfp8", "nvfp4"])
 def test_every_product_gives_its_results_in_the_reduce_dtype(front_end, reduce, results, matmul):
-    grad, params = _grad_fn(front_end, M_BF16.replace("m=bf16", f"m={matmul}") + reduce)
+    # "none": products the fields already give in the compute dtype take the word too.
+    spec = "mixed_bfloat16" if matmul == "none" else M_BF16.replace("m=bf16", f"m={matmul}")
+    grad, params = _grad_fn(front_end, spec + reduce)
     dots = [op for op in lowered_ops(grad, params, X) if op.name == "dot_general"]
     # Two layers: two forward products, three backward ones (the first
     # layer's input needs no gradient); NVFP4 adds its four Hadamard
@@ -134,7 +136,7 @@ def test_every_product_gives_its_results_in_the_reduce_dtype(front_end, reduce, 
     assert len(dots) == 5 + hadamard, dots
     in_results = sum(op.result_types == (results,) for op in dots)
     assert in_results == 5 + (hadamard if results == "f32" else 0), dots
-    if matmul == "bf16":
+    if matmul in ("none", "bf16"):
         assert all(op.operand_types == ("bf16", "bf16") for op in dots), dots
     elif matmul.startswith("f8"):  # FP8 operands into the products themselves.
         assert all(op.operand_types[1] == "f8E4M3FN" for op in dots), dots
@@ -270,3 +272,41 @@ def _compile_for_gpus(front_end: str, policy: str) -> None:
 
 if __name__ == "__main__":
     _compile_for_gpus(*sys.argv[1:])
+
+
+# --- One account of the words: README, the policies guide, `Policy`'s docstring ---
+
+_ROOT = Path(__file__).resolve().parent.parent
+_TYPE_NAMES = {"f8e4m3": "f8E4M3FN", "f8e5m2": "f8E5M2"}
+
+
+def _words_table(text):
+    """The rows of the table of what each word changes: (spec, forward, backward)."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`p=") and " -> " in cells[2]:
+            passes = [p.strip().strip("`") for p in cells[2].split(" / ")]
+            rows.append((cells[0].strip("`"), *passes))
+    return rows
+
+
+def _as_types(text):
+    ins, out = text.split(" -> ")
+    lhs, rhs = (_TYPE_NAMES.get(t, t) for t in ins.split(" x "))
+    return (lhs, rhs), (_TYPE_NAMES.get(out, out),)
+
+
+def test_the_words_are_explained_once_and_as_the_program_lowers_them():
+    readme = _words_table((_ROOT / "README.md").read_text())
+    assert len(readme) == 5, readme
+    assert _words_table((_ROOT / "docs/guides/policies.md").read_text()) == readme
+    assert _words_table(jmp.Policy.__doc__) == readme
+    dense, x = nn.Dense(4), jnp.ones((2, 8))
+    params = dense.init(jax.random.key(0), x)
+    for spec, forward, backward in readme:
+        apply = jmp.with_policy(dense.apply, spec)
+        grad = jax.grad(lambda p: jnp.sum(apply(p, x)))  # The weight gradient's product.
+        for fn, args, expected in ((apply, (params, x), forward), (grad, (params,), backward)):
+            dots = [op for op in lowered_ops(fn, *args) if op.name == "dot_general"]
+            assert [(op.operand_types, op.result_types) for op in dots] == [_as_types(expected)]

@@ -408,8 +408,8 @@ def test_checkpointed_layers_of_one_program_share_one_rewrite():
     f = jmp.autocast(model, "p=f32,c=f32,o=f32,m=bf16")
     bodies = []
 
-    def record(eqn, rules):
-        body = remat_body(eqn, rules)
+    def record(eqn, rules, marks):
+        body = remat_body(eqn, rules, marks)
         bodies.append(body)
         return body
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -77,6 +78,9 @@ custom_vjp_call_p: Primitive = _primitive("custom_vjp_call_p")
 convert_element_type_p: Primitive = _primitive("convert_element_type_p")
 dot_general_p: Primitive = _primitive("dot_general_p")
 conv_general_dilated_p: Primitive = _primitive("conv_general_dilated_p")
+# Every bilinear product: `ragged_dot_general` (grouped matmuls) is not in
+# `jax.extend.core.primitives` and is matched by name, as `shard_map` is.
+PRODUCT_NAMES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 # Writes into a buffer: the position of the value written among the operands.
 WRITTEN_OPERAND: dict[Primitive, int] = {
     _primitive("dynamic_update_slice_p"): 1,
@@ -128,8 +132,8 @@ def conv_dimension_numbers(eqn: JaxprEqn) -> Any:
     return param(eqn, "dimension_numbers")
 
 
-def conv_with_result_type(eqn: JaxprEqn, preferred_element_type: Any) -> dict[str, Any]:
-    """A convolution equation's parameters, accumulating into `preferred_element_type`."""
+def with_result_type(eqn: JaxprEqn, preferred_element_type: Any) -> dict[str, Any]:
+    """A product equation's parameters, accumulating into `preferred_element_type`."""
     return replaced_params(eqn, preferred_element_type=preferred_element_type)
 
 
@@ -332,7 +336,13 @@ def loop_parts(eqn: JaxprEqn) -> LoopParts | None:
     """The `LoopParts` of a `scan` or `while` equation; None for any other."""
     if eqn.primitive.name == "scan":
         if "ft_in" in eqn.params:  # JAX 0.12: flat trees of (consts, carry, xs).
-            n, c = (len(list(part.vals)) for part in param(eqn, "ft_in").elts[:2])
+            # A traced scan's is a tuple of three; a transposed one's a pytree
+            # of three, nested: `unpack` gives the three parts of either.
+            tree = param(eqn, "ft_in")
+            parts = tree.unpack() if hasattr(tree, "unpack") else getattr(tree, "elts", None)
+            if parts is None:
+                raise JaxChanged("the parts of a scan equation's `ft_in`")
+            n, c = (len(list(part.vals)) for part in list(parts)[:2])
         else:
             n, c = param(eqn, "num_consts"), param(eqn, "num_carry")
         end = len(eqn.invars)
@@ -535,6 +545,25 @@ def shaped(var: Any) -> jax.core.ShapedArray:
 def remat_body(eqn: JaxprEqn) -> Jaxpr:
     """The program a `remat` (`jax.checkpoint`) equation runs."""
     return param(eqn, "jaxpr")
+
+
+def context_mesh_size() -> int | None:
+    """The number of devices of the mesh the code being traced is under: the
+    abstract mesh (`jax.set_mesh`, a `shard_map` body), else the mesh of a
+    `with mesh:` block (deprecated, still used: EasyDeL's models), read from
+    `jax.interpreters.pxla.thread_resources`; None outside any mesh."""
+    abstract = jax.sharding.get_abstract_mesh()
+    if not abstract.empty:
+        return abstract.size
+    from jax.interpreters import pxla
+
+    with warnings.catch_warnings():  # Deprecated with `with mesh:`, which is still in use.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        resources = getattr(pxla, "thread_resources", None)
+    mesh = getattr(getattr(resources, "env", None), "physical_mesh", None)
+    if mesh is None:
+        raise JaxChanged("jax.interpreters.pxla.thread_resources.env.physical_mesh")
+    return None if mesh.empty else mesh.size
 
 
 def name_stack(eqn: JaxprEqn) -> str:

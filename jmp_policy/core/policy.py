@@ -256,14 +256,27 @@ class Policy:
     be required ones (`@dataclasses.dataclass(frozen=True) class P(Policy):
     buffer_dtype: Any`).
 
+    What each word changes, read from the lowered program of one `nn.Dense`
+    (every product accumulates in float32; `r` is the dtype its result is
+    rounded to; products the program shows to be the author's float32 run
+    as written):
+
+    | spec | what the word changes | a `Dense`'s product, forward / backward |
+    |---|---|---|
+    | `p=f32,c=bf16,o=f32` | `c`: activations, and the operands of every product | `bf16 x bf16 -> bf16` / `bf16 x bf16 -> bf16` |
+    | `p=f32,c=bf16,o=f32,r=f32` | `r`: the dtype products give their results in, so what devices sum | `bf16 x bf16 -> f32` / `bf16 x bf16 -> f32` |
+    | `p=f32,c=bf16,o=f32,m=bf16` | `m`: the operands of products only; here `c`'s already | `bf16 x bf16 -> bf16` / `bf16 x bf16 -> bf16` |
+    | `p=f32,c=f32,o=f32,m=bf16` | `m` between float32 activations: half products, results in `r`, which follows `c` | `bf16 x bf16 -> f32` / `bf16 x bf16 -> f32` |
+    | `p=f32,c=bf16,o=f32,m=f8` | `m=f8`: FP8 operands with scales, e5m2 output gradients | `f8e4m3 x f8e4m3 -> bf16` / `f8e5m2 x f8e4m3 -> bf16` |
+
     Args:
       param_dtype: dtype parameters are stored and updated in.
       compute_dtype: dtype of activations and of the matmul inputs.
       output_dtype: dtype of the function's result.
       matmul_dtype: dtype of the operands of matrix products, or None (the
-        default, as in jmp): layers multiply in the compute dtype.
-        bfloat16/float16: half operands with float32 accumulation, forward
-        and backward (`half_dot_general`), results in `reduce_dtype`.
+        default, as in jmp): products take the compute dtype's.
+        bfloat16/float16: half operands (`half_dot_general`), also between
+        activations of a wider compute dtype, results in `reduce_dtype`.
         float8_e4m3fn: FP8 products, float32 accumulation, scaled as
         `fp8_scaling` says (`fp8_dot_general`). float4_e2m1fn: NVFP4's
         block-scaled FP4 products. A name with its scaling is accepted too
@@ -277,9 +290,8 @@ class Policy:
         block of 32 along the contraction, e4m3 everywhere; spec `m=mxfp8`).
         float4_e2m1fn takes `"nvfp4"` only (and gets it): a float8 scale per
         block of 16 and one per tensor (spec `m=nvfp4`).
-      reduce_dtype: the dtype a product's results leave it in, where its
-        operands take a matmul dtype or are cast to the compute dtype: what
-        a sharded program sums across devices (gradients reduced under data
+      reduce_dtype: the dtype every product's results leave it in, forward
+        and backward: what a sharded program sums across devices (gradients reduced under data
         parallelism and FSDP, row-parallel results under tensor
         parallelism), as PyTorch FSDP's `reduce_dtype`. None (the default,
         FSDP's): the compute dtype, so that no policy sends more bytes than
@@ -299,7 +311,7 @@ class Policy:
     ('p=full,c=bf16,o=full', True)
     >>> policy.cast_to_compute({"x": jnp.ones(2), "step": 3})["x"].dtype
     dtype(bfloat16)
-    """
+    """  # noqa: E501 (the table of the words: one row a line)
 
     param_dtype: DType
     compute_dtype: DType

@@ -12,6 +12,8 @@ applies them.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 from typing import Any
 
 import numpy as np
@@ -20,8 +22,11 @@ from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.dtypes import F32 as _F32
 from jmp_policy.core.policy import Policy
 
-# Matmuls and convolutions: half operands, float32 accumulation.
-HALF_PRIMITIVES: frozenset[str] = frozenset({"dot_general", "conv_general_dilated"})
+# Every bilinear product JAX has: matmuls (grouped ones too: a mixture of
+# experts' `ragged_dot`) and convolutions. Under a policy they take half
+# operands and accumulate in float32, or the matmul dtype's product.
+PRODUCT_PRIMITIVES: frozenset[str] = ji.PRODUCT_NAMES
+HALF_PRIMITIVES: frozenset[str] = PRODUCT_PRIMITIVES
 
 # Run in float32 (or wider): exponentials and logarithms overflow or lose
 # everything in half precision, sums and products accumulate rounding error,
@@ -84,6 +89,13 @@ class Rules:
     # The dtype a rewritten product's results leave it in (what a sharded
     # program sums across devices); None: the compute dtype.
     reduce_dtype: np.dtype | None = None
+    # autocast's `rules=`: (a regex searched in an operation's named-scope
+    # path, the rules there, None for as written), the first match winning.
+    by_scope: tuple[tuple[str, Rules | None], ...] = ()
+
+    def for_scope(self, stack: str) -> Rules | None:
+        """The rules of an operation traced under the name stack `stack`."""
+        return _first_scope_rule(self.by_scope, stack, self)
 
     @property
     def results_in(self) -> np.dtype:
@@ -93,6 +105,14 @@ class Rules:
     def only_products(self) -> bool:
         """Only products are rewritten (`matmuls_in`); every other op runs as written."""
         return not (self.float32 or self.promote)
+
+
+@functools.lru_cache(maxsize=4096)
+def _first_scope_rule(by_scope: tuple, stack: str, default: Rules) -> Rules | None:
+    for pattern, rules in by_scope:
+        if re.search(pattern, stack):
+            return rules
+    return default
 
 
 def matmul_rules(

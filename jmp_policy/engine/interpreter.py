@@ -29,10 +29,12 @@ import numpy as np
 from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.dtypes import F32 as _F32
 from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, cast, is_complex, is_float, widest
+from jmp_policy.engine import intent
 from jmp_policy.engine.data_flow import MOVES_DATA, buffer_sources, declarations, flow_of
 from jmp_policy.engine.decision import Rules, matmul_rules
 from jmp_policy.engine.products import cpu_form
 from jmp_policy.engine.products.fp8 import fp8_product
+from jmp_policy.engine.products.grouped import grouped_product
 from jmp_policy.engine.products.half import (
     accumulating_dot,
     accumulating_product,
@@ -57,12 +59,26 @@ def _outputs_as(outs, dtypes):
     return [cast(o, d) if is_float(o) else o for o, d in zip(outs, dtypes)]
 
 
-def _eval(jaxpr: ji.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: Rules) -> list[Any]:
-    return ji.eval_jaxpr(jaxpr, consts, args, functools.partial(_apply, rules=rules))
+Marks = Sequence[intent.Mark]
 
 
-def _rewrite_closed(closed, rules, in_dtypes, out_dtypes=None):
-    """The autocast version of a closed jaxpr, for inputs of `in_dtypes`.
+def _eval(
+    jaxpr: ji.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: Rules, marks: Marks
+) -> list[Any]:
+    """Runs `jaxpr` under `rules`, its inputs of `marks` (`intent`)."""
+    known = intent.marks_of(jaxpr, marks, [intent.given_constant(c) for c in consts])
+    return ji.eval_jaxpr(jaxpr, consts, args, functools.partial(_apply, rules=rules, marks=known))
+
+
+def _body_marks(eqn: ji.JaxprEqn, marks: intent.Marks, part: str = "body") -> list[intent.Mark]:
+    """The marks of the inputs of the programs nested in `eqn` (`intent.program_inputs`)."""
+    inputs = intent.program_inputs(eqn, [marks[v] for v in eqn.invars], marks)
+    assert inputs is not None  # Only asked of equations with programs.
+    return inputs[part]
+
+
+def _rewrite_closed(closed, rules, in_dtypes, marks, out_dtypes=None):
+    """The autocast version of a closed jaxpr, for inputs of `in_dtypes` and `marks`.
 
     With `out_dtypes`, the outputs are cast to them (loop carries and
     branches must keep their types); otherwise they are what autocast makes.
@@ -70,7 +86,7 @@ def _rewrite_closed(closed, rules, in_dtypes, out_dtypes=None):
 
     @_in_scope
     def fn(*args):
-        outs = _eval(closed.jaxpr, closed.consts, args, rules)
+        outs = _eval(closed.jaxpr, closed.consts, args, rules, marks)
         return outs if out_dtypes is None else _outputs_as(outs, out_dtypes)
 
     specs = [ji.stand_in(a, d) for a, d in zip(closed.in_avals, in_dtypes)]
@@ -79,31 +95,40 @@ def _rewrite_closed(closed, rules, in_dtypes, out_dtypes=None):
     signature = (
         tuple((s.shape, s.dtype, s.weak_type, s.sharding) for s in specs),
         None if out_dtypes is None else tuple(out_dtypes),
+        intent.key(closed.jaxpr, marks),
     )
     return _shared("program", closed.jaxpr, rules, signature, lambda: jax.make_jaxpr(fn)(*specs))
 
 
-def _call_rule(eqn, invals, rules):
+def _call_rule(eqn, invals, rules, marks):
     # jit and closed_call: rewritten as if inlined, for the inputs they get.
     name, program = ji.call_program(eqn)
-    closed = _rewrite_closed(program, rules, [x.dtype for x in invals])
+    closed = _rewrite_closed(program, rules, [x.dtype for x in invals], _body_marks(eqn, marks))
     return ji.bind(eqn, invals, ji.replaced_params(eqn, **{name: closed}))
 
 
-def _control_flow_rule(eqn, invals, rules):
-    def rewrite(closed):
+# A while loop's condition takes its own constants and the carry.
+_CONDITION_PROGRAMS = frozenset({"cond_jaxpr"})
+
+
+def _control_flow_rule(eqn, invals, rules, marks):
+    def rewrite(closed, name):
         in_dtypes, out_dtypes = ([a.dtype for a in x] for x in (closed.in_avals, closed.out_avals))
-        return _rewrite_closed(closed, rules, in_dtypes, out_dtypes)
+        part = "cond" if name in _CONDITION_PROGRAMS else "body"
+        return _rewrite_closed(closed, rules, in_dtypes, _body_marks(eqn, marks, part), out_dtypes)
 
     programs = {
-        name: tuple(map(rewrite, value)) if isinstance(value, tuple) else rewrite(value)
+        name: tuple(rewrite(v, name) for v in value)
+        if isinstance(value, tuple)
+        else rewrite(value, name)
         for name, value in ji.control_flow_programs(eqn).items()
     }
     return ji.bind(eqn, _as_original(eqn, invals), ji.replaced_params(eqn, **programs))
 
 
-def _remat_rule(eqn, invals, rules):
-    return jax.checkpoint(_remat_body(eqn, rules), **ji.remat_options(eqn))(*invals)
+def _remat_rule(eqn, invals, rules, marks):
+    body = _remat_body(eqn, rules, _body_marks(eqn, marks))
+    return jax.checkpoint(body, **ji.remat_options(eqn))(*invals)
 
 
 # What the rewrite of one program made (a nested program rewritten, a
@@ -120,46 +145,67 @@ def _shared(kind: str, jaxpr: ji.Jaxpr, rules: Rules, signature: Any, make: Call
     # FP8 products read what to save from the context they are traced in: not shared.
     if made is None or key is None or may_scale(rules):
         return make()
-    # The scopes a product reads: around the program and inside it (a rule's
-    # module traced within it), which its text does not show.
-    scopes = (tuple(_SCOPE_NAME.findall(_name_stack())), _scopes_in(jaxpr)) if rules.scoped else ()
+    # The scopes an operation reads: around the program and inside it (a
+    # rule's module traced within it, a region kept as written), which its
+    # text does not show.
+    scopes = (_scopes_of(_name_stack(), rules), _scopes_in(jaxpr, rules))
     full_key = (kind, key, rules, scopes, signature)
     if full_key not in made:
         made[full_key] = make()
     return made[full_key]
 
 
-def _remat_body(eqn, rules):
+def _remat_body(eqn, rules, marks):
     jaxpr = ji.remat_body(eqn)
 
     @_in_scope
     def body(*args):
-        return _eval(jaxpr, (), args, rules)
+        return _eval(jaxpr, (), args, rules, marks)
 
-    return _shared("checkpoint", jaxpr, rules, (), lambda: body)
+    return _shared("checkpoint", jaxpr, rules, intent.key(jaxpr, marks), lambda: body)
 
 
-def _scopes_in(jaxpr: ji.Jaxpr) -> tuple:
-    """The `product_scope` markers of each equation of `jaxpr`, nested ones too."""
-    return tuple(
-        (
-            tuple(_SCOPE_NAME.findall(ji.name_stack(eqn))),
-            tuple(_scopes_in(sub) for sub in ji.sub_jaxprs(eqn)),
-        )
-        for eqn in jaxpr.eqns
+def _scopes_of(stack: str, rules: Rules) -> tuple:
+    """What in a name stack chooses how operations run: a region kept as
+    written, `product_scope` markers (scoped rules), the whole stack where
+    autocast's `rules=` match it."""
+    return (
+        _AS_WRITTEN in stack,
+        tuple(_SCOPE_NAME.findall(stack)) if rules.scoped else (),
+        stack if rules.by_scope else "",
     )
 
 
-def _custom_jvp_rule(eqn, invals, rules):
+# Per program (held weakly), per what `_scopes_of` reads: its `_scopes_in`.
+_SCOPES_IN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _scopes_in(jaxpr: ji.Jaxpr, rules: Rules) -> tuple:
+    """`_scopes_of` each equation of `jaxpr`, nested ones too."""
+    known = _SCOPES_IN.setdefault(jaxpr, {})
+    reads = (rules.scoped, bool(rules.by_scope))
+    if reads not in known:
+        known[reads] = tuple(
+            (
+                _scopes_of(ji.name_stack(eqn), rules),
+                tuple(_scopes_in(sub, rules) for sub in ji.sub_jaxprs(eqn)),
+            )
+            for eqn in jaxpr.eqns
+        )
+    return known[reads]
+
+
+def _custom_jvp_rule(eqn, invals, rules, marks):
     # Inputs take the dtypes the JVP rule was written for; outputs are free.
     args = _as_original(eqn, invals)
     call = ji.custom_jvp_primal(eqn)
     if not all(is_float(a) for a in (*call.in_avals, *call.out_avals)):
         return ji.bind(eqn, args)  # Ints would need float0 tangents: run as written.
+    inner = _body_marks(eqn, marks)
 
     @_in_scope
     def primal(*xs):
-        return _eval(call.jaxpr, call.consts, xs, rules)
+        return _eval(call.jaxpr, call.consts, xs, rules, inner)
 
     out_dtypes = [o.dtype for o in jax.eval_shape(primal, *args)]
     f = jax.custom_jvp(primal)
@@ -178,7 +224,7 @@ def _custom_jvp_rule(eqn, invals, rules):
     return f(*args)
 
 
-def _custom_vjp_rule(eqn, invals, rules):
+def _custom_vjp_rule(eqn, invals, rules, marks):
     # A user's `custom_vjp`: its forward rewritten; its backward the user's
     # rule, rewritten too, from the inputs as residuals (it recomputes the
     # forward, as `jax.checkpoint` would).
@@ -191,10 +237,11 @@ def _custom_vjp_rule(eqn, invals, rules):
     ):
         return ji.bind(eqn, args)  # Decided, integer-valued, or nothing to rewrite.
     out_dtypes = [o.dtype for o in program.out_avals]
+    inner = _body_marks(eqn, marks)
 
     @_in_scope
     def primal(*xs):
-        return _outputs_as(_eval(program.jaxpr, program.consts, xs, rules), out_dtypes)
+        return _outputs_as(_eval(program.jaxpr, program.consts, xs, rules, inner), out_dtypes)
 
     def original_vjp(xs, cts):
         return jax.vjp(lambda *a: ji.bind(eqn, a), *xs)[1](list(cts))
@@ -207,15 +254,16 @@ def _custom_vjp_rule(eqn, invals, rules):
     return f(*args)
 
 
-def _shard_map_rule(eqn, invals, rules):
+def _shard_map_rule(eqn, invals, rules, marks):
     # The per-device program is rewritten inside a new `shard_map` over the
     # same mesh and specs; its inputs and results keep their dtypes.
     jaxpr = ji.shard_map_body(eqn)
     out_dtypes = [ji.shaped(v).dtype for v in jaxpr.outvars]
+    inner = _body_marks(eqn, marks)
 
     @_in_scope
     def body(*args):
-        return tuple(_outputs_as(_eval(jaxpr, (), args, rules), out_dtypes))
+        return tuple(_outputs_as(_eval(jaxpr, (), args, rules, inner), out_dtypes))
 
     return list(jax.shard_map(body, **ji.shard_map_options(eqn))(*_as_original(eqn, invals)))
 
@@ -230,6 +278,8 @@ _HIGHER_ORDER[ji.custom_vjp_call_p] = _custom_vjp_rule
 # `product_scope` markers: a module (or any code) whose products take another
 # compute or matmul dtype than the code around it, read back from the name stack.
 _SCOPE = "jmp_policy_products"
+# `as_written`: a region the policy leaves as the program wrote it.
+_AS_WRITTEN = "jmp_policy_as_written"
 _SCOPE_NAME = re.compile(re.escape(_SCOPE) + r"\[c=(\w+);m=(\w+);s=(\w+);r=(\w+)\]")
 # The name stack outside the program being traced: JAX traces nested programs
 # (loop bodies, checkpointed and custom_jvp functions) with an empty one.
@@ -271,6 +321,31 @@ def product_scope(
     return jax.named_scope(f"{_SCOPE}[c={c};m={m};s={fp8_scaling};r={r}]")
 
 
+def as_written() -> contextlib.AbstractContextManager:
+    """Keeps the code inside it as the program wrote it, under every front end.
+
+    A context manager and a decorator, in the spirit of PyTorch's
+    `torch.autocast(enabled=False)`: the operations traced inside it run in
+    the dtypes the program gives them, whatever policy is around it
+    (`autocast`, `with_policy`, `jmp_policy.nnx`). For code whose float32
+    the program cannot show (a float32 model's `.astype(jnp.float32)` is a
+    no-op); what it does show (tables made from positions, a widening before
+    a product, `precision=HIGHEST`) is kept without it. A Flax layer called
+    inside keeps the dtype fields its front end set: name it in `rules=`
+    to keep it in float32.
+
+    >>> import jax.numpy as jnp, jmp_policy as jmp
+    >>> def angles(pos, inv):
+    ...     return pos @ inv
+    >>> pos, inv = jnp.array([[8001.0]]), jnp.array([[1.0]])
+    >>> jmp.autocast(angles, "mixed_bfloat16")(pos, inv)  # 8001 is no bfloat16
+    Array([[8000.]], dtype=float32)
+    >>> jmp.autocast(jmp.as_written()(angles), "mixed_bfloat16")(pos, inv)
+    Array([[8001.]], dtype=float32)
+    """
+    return jax.named_scope(_AS_WRITTEN)
+
+
 def _products_here(rules: Rules) -> tuple[np.dtype, np.dtype | None, str, np.dtype]:
     """`(compute dtype, matmul dtype, FP8 scaling, reduce dtype)` of a product:
     its innermost scope's under scoped rules, else the rules' own."""
@@ -294,23 +369,23 @@ def _results_dtype(invals, out_dtype, reduce_dtype):
 
 
 def _matmul_dtype_product(eqn, invals, rules, m, scaling, r):
-    """A dot_general under the matmul dtype `m`, or None where that does not apply."""
-    if m is None or eqn.primitive is not ji.dot_general_p:
+    """A product under the matmul dtype `m`, or None where that does not apply."""
+    if m is None or eqn.primitive is ji.conv_general_dilated_p:
         return None  # Convolutions run in the compute dtype, also under FP8.
-    lhs, rhs = invals
-    product, out_dtype = product_of(eqn), eqn.outvars[0].aval.dtype
-    results = _results_dtype(invals, out_dtype, r)
+    lhs, rhs, *extra = invals
+    out_dtype = eqn.outvars[0].aval.dtype
+    results = _results_dtype(invals[:2], out_dtype, r)
     if rules.products == "vjp":
-        if m in SCALED_MATMUL_DTYPES:
+        if m in SCALED_MATMUL_DTYPES and eqn.primitive is ji.dot_general_p:
             p = ji.dot_params(eqn)
             return fp8_product(lhs, rhs, p.dimension_numbers, out_dtype, scaling,
                                p.precision, p.out_sharding, results_dtype=results)  # fmt: skip
-        return _accumulating(eqn, product, lhs, rhs, m, out_dtype, results)
+        return _accumulating(eqn, invals, m, out_dtype, results)
     if m in SCALED_MATMUL_DTYPES:
         # Inside a JVP rule JAX transposes the products itself, which an
         # unscaled FP8 cast cannot survive: the compute dtype there.
         return None
-    return cast(product(cast(lhs, m), cast(rhs, m), results), out_dtype)
+    return cast(product_of(eqn, extra)(cast(lhs, m), cast(rhs, m), results), out_dtype)
 
 
 def _product_rule(eqn, invals, rules):
@@ -318,33 +393,40 @@ def _product_rule(eqn, invals, rules):
     out = _matmul_dtype_product(eqn, invals, rules, m, scaling, r)
     if out is not None:
         return out
-    lhs, rhs = invals
+    lhs, rhs, *extra = invals
     out_dtype = eqn.outvars[0].aval.dtype
-    if rules.only_products and all(x.dtype == c or x.dtype.itemsize < c.itemsize for x in invals):
-        # Operands in the compute dtype (or narrower) already: as written,
-        # unless half operands ask for a float32 result on the CPU platform,
-        # which takes the form XLA:CPU runs (`cpu_form`).
-        widened = all(x.dtype == c for x in invals) and np.dtype(out_dtype).itemsize > c.itemsize
-        if not (widened and cpu_form.in_use()):
+    results = _results_dtype(invals[:2], out_dtype, r)
+    in_compute = all(x.dtype == c or x.dtype.itemsize < c.itemsize for x in (lhs, rhs))
+    if rules.only_products and in_compute and results == out_dtype:
+        # Operands in the compute dtype (or narrower) already, results in the
+        # reduce dtype: as written, unless half operands ask for a float32
+        # result on the CPU platform, which takes the form XLA:CPU runs (`cpu_form`).
+        wide = np.dtype(out_dtype).itemsize > c.itemsize
+        if not (wide and all(x.dtype == c for x in (lhs, rhs)) and cpu_form.in_use()):
             return ji.bind(eqn, _as_original(eqn, invals))
-    if out_dtype == c:
+    if out_dtype == c and results == c:
         # The program asked for a half result: JAX's own backward is half too.
-        return ji.bind(eqn, [cast(lhs, c), cast(rhs, c)])
-    product = product_of(eqn)
-    results = _results_dtype(invals, out_dtype, r)
+        return ji.bind(eqn, [cast(lhs, c), cast(rhs, c), *extra])
     if rules.products == "plain" or c.itemsize >= _F32.itemsize:
-        return cast(product(cast(lhs, c), cast(rhs, c), results), out_dtype)
-    return _accumulating(eqn, product, lhs, rhs, c, out_dtype, results)
+        return cast(product_of(eqn, extra)(cast(lhs, c), cast(rhs, c), results), out_dtype)
+    return _accumulating(eqn, invals, c, out_dtype, results)
 
 
-def _accumulating(eqn, product, lhs, rhs, compute_dtype, out_dtype, results_dtype):
-    """`accumulating_product`; a dot through `accumulating_dot`, traced once per signature."""
+def _accumulating(eqn, invals, compute_dtype, out_dtype, results_dtype):
+    """The product of `eqn` on `invals` with `compute_dtype` operands (half,
+    or FP8 for a grouped one) in both passes: `accumulating_product`; a dot
+    through `accumulating_dot`, traced once per signature; a grouped product
+    through `grouped_product`."""
+    lhs, rhs, *extra = invals
+    if extra:
+        return grouped_product(eqn, lhs, rhs, extra, compute_dtype, out_dtype, results_dtype)
     if eqn.primitive is ji.dot_general_p:
         p = ji.dot_params(eqn)
         dims, precision, sharding = p.dimension_numbers, p.precision, p.out_sharding
         return accumulating_dot(
             lhs, rhs, dims, precision, sharding, compute_dtype, out_dtype, results_dtype
         )
+    product = product_of(eqn)
     return accumulating_product(product, lhs, rhs, compute_dtype, out_dtype, results_dtype)
 
 
@@ -388,19 +470,33 @@ def _runs_as_traced(eqn: ji.JaxprEqn, rules: Rules) -> bool:
     widest = max((w for w, _ in found), default=0)
     if widest == 0:
         return True
-    c, m, _, _ = _products_here(rules)
-    return m is None and widest <= c.itemsize
+    c, m, _, r = _products_here(rules)
+    return m is None and widest <= c.itemsize and r == c
 
 
-def _apply(eqn, invals, rules):
+def _rules_here(rules: Rules) -> Rules | None:
+    """The rules of the operation being rewritten: None in a region kept as
+    written (`as_written`, or autocast's `rules=` naming it so), else those
+    autocast's `rules=` give its named scope, else `rules`."""
+    stack = _name_stack()
+    if _AS_WRITTEN in stack:
+        return None
+    return rules.for_scope(stack) if rules.by_scope else rules
+
+
+def _apply(eqn, invals, rules, marks):
+    here = _rules_here(rules)
+    if here is None:
+        return ji.bind(eqn, _as_original(eqn, invals))
+    rules = here
     prim, name = eqn.primitive, eqn.primitive.name
     nested = prim in _HIGHER_ORDER or ji.is_shard_map(eqn)
     if nested and _runs_as_traced(eqn, rules):
         return ji.bind(eqn, _as_original(eqn, invals))
     if prim in _HIGHER_ORDER:
-        return _HIGHER_ORDER[prim](eqn, invals, rules)
+        return _HIGHER_ORDER[prim](eqn, invals, rules, marks)
     if ji.is_shard_map(eqn):
-        return _shard_map_rule(eqn, invals, rules)
+        return _shard_map_rule(eqn, invals, rules, marks)
     if prim is ji.convert_element_type_p:
         x, new_dtype = invals[0], ji.new_dtype(eqn)
         return x if x.dtype == new_dtype else ji.bind(eqn, invals)
@@ -419,13 +515,17 @@ def _apply(eqn, invals, rules):
     if not floats or not (name in rules.half or name in rules.float32 or name in rules.promote):
         return ji.bind(eqn, _as_original(eqn, invals))  # Unknown: run as written.
     if name in rules.half:
-        full = asks_full_precision(ji.product_precision(eqn))  # The author's choice wins.
-        if len(invals) == 2 and floats and is_float(eqn.outvars[0].aval) and not full:
-            if len(floats) == 1 and not is_complex(invals[1 - floats[0]]):
+        # The author's choice wins: `precision=HIGHEST`, a table, a widening (`intent`).
+        full = asks_full_precision(ji.product_precision(eqn))
+        authors = full or intent.keeps_authors_precision(eqn, marks)
+        operands = [i for i in floats if i < 2]
+        if operands and is_float(eqn.outvars[0].aval) and not authors:
+            if len(operands) == 1 and not is_complex(invals[1 - operands[0]]):
                 # An integer or boolean operand (a head mask) joins the other's
                 # dtype, as JAX's promotion gives it in a half config.
-                other = invals[floats[0]].dtype
-                invals = [x if is_float(x) else cast(x, other) for x in invals]
+                other = invals[operands[0]].dtype
+                invals = [cast(x, other) if i < 2 and not is_float(x) else x
+                          for i, x in enumerate(invals)]  # fmt: skip
             return _product_rule(eqn, invals, rules)
         return ji.bind(eqn, _as_original(eqn, invals))
     strong = [invals[i].dtype for i in floats if not eqn.invars[i].aval.weak_type]
@@ -519,7 +619,8 @@ def _traced_and_run(traced_fn: Callable, values: list, rules: Rules | None) -> t
             closed = jax.make_jaxpr(traced_fn)(*_widened(values))
         if rules is None:
             return ji.eval_jaxpr(closed.jaxpr, closed.consts, values, ji.bind), closed
-        return _eval(closed.jaxpr, closed.consts, values, rules), closed
+        marks = [intent.given(x.dtype) for x in values]  # Arguments: NumPy ones too.
+        return _eval(closed.jaxpr, closed.consts, values, rules, marks), closed
 
 
 def flow_recording_runner(rules: Rules | None) -> tuple[Callable, list]:

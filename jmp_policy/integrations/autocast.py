@@ -11,10 +11,12 @@ register a handler or a reader here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import functools
+import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from jmp_policy.core.policy import Policy, get_policy, policy_argument
@@ -112,6 +114,37 @@ def _primitive_names(ops: Iterable[Any], arg: str) -> frozenset[str]:
     return frozenset(names)
 
 
+def _scope_rules(
+    rules: Mapping[str, Policy | str | None] | None, base: Rules
+) -> tuple[tuple[str, Rules | None], ...]:
+    """autocast's `rules=` as the engine's: each regex, and its policy's rules."""
+    if rules is None:
+        return ()
+    if not isinstance(rules, Mapping):
+        raise TypeError(
+            f"autocast(rules=...) takes a mapping of named-scope regexes to policies "
+            f"(or None: as written), e.g. {{'rotary': 'float32'}}, got {rules!r}."
+        )
+    out: list[tuple[str, Rules | None]] = []
+    for pattern, policy in rules.items():
+        if not isinstance(pattern, str):
+            raise TypeError(f"autocast(rules=...): keys are regexes (str), got {pattern!r}.")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"autocast(rules=...): {pattern!r} is no regex: {e}.") from None
+        if policy is None:
+            out.append((pattern, None))
+            continue
+        given = get_policy(policy_argument(policy, f"rules[{pattern!r}]"))
+        c, m, scaling, r = policy_products(given)
+        here = dataclasses.replace(
+            base, compute_dtype=c, matmul_dtype=m, fp8_scaling=scaling, reduce_dtype=r
+        )
+        out.append((pattern, here))
+    return tuple(out)
+
+
 def autocast(
     fn: Callable,
     policy: Policy | str,
@@ -120,6 +153,7 @@ def autocast(
     float32_primitives: Iterable[Any] = FLOAT32_PRIMITIVES,
     promote_primitives: Iterable[Any] = PROMOTE_PRIMITIVES,
     returns_state: ReturnsState = None,
+    rules: Mapping[str, Policy | str | None] | None = None,
 ) -> Callable:
     """Runs `fn` with matmuls in half precision and sensitive ops in float32.
 
@@ -165,6 +199,11 @@ def autocast(
         that is state (in the dtype of the argument it is built from, else
         as made: a cache `fn` makes), `False` for a result (the output
         dtype); None (the default) lets the state rule decide.
+      rules: other policies by `jax.named_scope` path (Keras names its
+        layers' scopes, Flax its modules'): a regex searched in an
+        operation's path, e.g. `{"rotary": "float32"}`, and the policy
+        its operations take there, or None to run them as written
+        (`as_written`); the first match wins.
 
     Returns:
       The transformed function, with `fn`'s signature.
@@ -173,7 +212,7 @@ def autocast(
       TypeError: if `fn` is not callable, or a primitive list holds something
         other than names or primitives.
       ValueError: if a primitive list holds a name that is no JAX primitive's
-        (the message lists close matches).
+        (the message lists close matches), or a `rules` key is no regex.
 
     >>> import jax, jax.numpy as jnp
     >>> import jmp_policy as jmp
@@ -191,7 +230,7 @@ def autocast(
         raise TypeError(f"autocast expects a function as its first argument, got {fn!r}.")
     policy = get_policy(policy_argument(policy))
     c, m, scaling, r = policy_products(policy)
-    rules = Rules(
+    engine_rules = Rules(
         compute_dtype=c,
         half=_primitive_names(half_primitives, "half_primitives"),
         float32=_primitive_names(float32_primitives, "float32_primitives"),
@@ -200,6 +239,7 @@ def autocast(
         fp8_scaling=scaling,
         reduce_dtype=r,
     )
+    engine_rules = dataclasses.replace(engine_rules, by_scope=_scope_rules(rules, engine_rules))
 
     # Not `functools.wraps`: it would copy `fn.__dict__`, and with it the
     # `lower` of a `jax.pmap` or `jax.jit` function, which lowers the
@@ -207,7 +247,7 @@ def autocast(
     @functools.wraps(fn, updated=())
     def wrapped(*args, **kwargs):
         caller = sys._getframe(1)
-        run, flows = flow_recording_runner(rules)
+        run, flows = flow_recording_runner(engine_rules)
         with contextlib.ExitStack() as contexts:
             for context in _TRACE_CONTEXTS:
                 contexts.enter_context(context())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -47,6 +48,18 @@ from jmp_policy.engine.products.matmul_dtype import (
 )
 
 T = TypeVar("T")
+
+# Where Flax's layers infer their dtype from their operands (`dtype=None`):
+# `promote_dtype` in linen's and NNX's `dtypes` modules.
+_FLAX_DTYPE_INFERENCE = re.compile(r"flax[/\\](linen|nnx[/\\]nn)[/\\]dtypes\.py:.*\(promote_dtype")
+
+
+def infers_a_layers_dtype(origin: str) -> bool:
+    """Whether a conversion written at `origin` ("file:line:column (function)")
+    is a Flax layer inferring its dtype from its operands (`dtype=None`):
+    under a policy the model's own half config would have set that field."""
+    return _FLAX_DTYPE_INFERENCE.search(origin) is not None
+
 
 # The dense layers whose `dot_general` hook takes the matmul dtype; `*_cls`
 # factories win over the injected function in Flax, so they are cleared.

@@ -60,16 +60,18 @@ def _without_algorithm(precision: Any) -> Any:
     return None if isinstance(precision, (lax.DotAlgorithm, lax.DotAlgorithmPreset)) else precision
 
 
-def product_of(eqn: ji.JaxprEqn) -> Product:
-    """A `dot_general` or `conv_general_dilated` equation as a `product` function."""
+def product_of(eqn: ji.JaxprEqn, extra: Sequence[Any] = ()) -> Product:
+    """A product equation (`dot_general`, `conv_general_dilated`,
+    `ragged_dot_general`) as a `product` function of its two floating
+    operands; `extra`: its other operands (a grouped product's group sizes)."""
     if eqn.primitive is ji.dot_general_p:
         p = ji.dot_params(eqn)
         return dot_product(p.dimension_numbers, p.precision, p.out_sharding)
 
-    def conv(a, b, pet):
-        return ji.bind(eqn, [a, b], ji.conv_with_result_type(eqn, pet))
+    def product(a, b, pet):
+        return ji.bind(eqn, [a, b, *extra], ji.with_result_type(eqn, pet))
 
-    return conv
+    return product
 
 
 def _accumulate_in_float32(
@@ -77,9 +79,9 @@ def _accumulate_in_float32(
 ) -> Any:
     """Runs one equation of a transposed product: products accumulate into
     float32 and give their results in `results_dtype`."""
-    if eqn.primitive in (ji.dot_general_p, ji.conv_general_dilated_p):
-        lhs, rhs = invals
-        return product_of(eqn)(lhs, rhs, results_dtype)
+    if eqn.primitive.name in ji.PRODUCT_NAMES:
+        lhs, rhs, *extra = invals
+        return product_of(eqn, extra)(lhs, rhs, results_dtype)
     # Layout ops between products (transpose, reshape, rev, pad) take the
     # widest input dtype, so a float32 partial result is never rounded to half.
     floats = [x.dtype for x in invals if is_float(x)]

@@ -260,6 +260,8 @@ def scaled_product(spec: Spec, lhs: jax.Array, rhs: jax.Array, *copies: jax.Arra
     device's blocks scaled on their own where `jit` partitions it. `copies`:
     the copy of each operand `spec.copies` names."""
     arrays = (lhs, rhs, *copies)
+    if _per_device():
+        return _compute(spec, *arrays)  # Already one device's: nothing to partition.
     if _explicit_mesh(arrays) is not None:
         result = jax.ShapeDtypeStruct(_out_shape(spec.dims, lhs.shape, rhs.shape), spec.results)
         return _in_shard_map(functools.partial(_partition_product, spec), arrays, result)
@@ -270,6 +272,8 @@ def saved_copy(x: jax.Array, quantizer: Quantizer, dims: Dims, side: str) -> tup
     """`x` quantized as the product `dims` takes it on `side`: the copy a
     product multiplying the whole of `x` takes (see `Spec.copies`)."""
     key = (quantizer, dims, side)
+    if _per_device():
+        return _copy(key, x)
     if _explicit_mesh((x,)) is not None:
         copy = jax.eval_shape(functools.partial(_copy, key), jax.ShapeDtypeStruct(x.shape, x.dtype))
         return tuple(_in_shard_map(functools.partial(_partition_copy, key), (x,), copy))
@@ -283,6 +287,16 @@ def _laid_out(x: jax.Array, sharding: Any) -> jax.Array:
         return x
     mesh = getattr(sharding, "mesh", None)
     return jax.sharding.reshard(x, sharding.spec if mesh is not None and mesh.empty else sharding)
+
+
+def _per_device() -> bool:
+    """Whether the program being traced is one device's: a `shard_map` body
+    (its mesh axes are manual), or code under a mesh of one device. There a
+    `custom_partitioning` partitions nothing, and JAX would hold it to one
+    mesh across the program, which need not hold (EasyDeL's experts run in a
+    `shard_map` over a mesh of their own)."""
+    manual = jax.sharding.AxisType.Manual in jax.sharding.get_abstract_mesh().axis_types
+    return manual or ji.context_mesh_size() == 1
 
 
 def _explicit_mesh(arrays: Any) -> Any:
