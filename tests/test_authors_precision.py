@@ -209,6 +209,20 @@ def test_as_written_keeps_a_region_as_the_program_wrote_it_in_every_front_end():
         assert types[-1] == (("f32", "f32"), ("f32",)), (transform, types)
         assert types[0][0] == ("f8E4M3FN", "f8E4M3FN"), types  # The rest: the policy.
 
+    class NnxHead(nnx.Module):
+        def __init__(self):
+            self.dense = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            h = self.dense(x)
+            with jmp.as_written():
+                return h.astype(F32) @ jnp.ones((8, 4), F32)
+
+    module = jmp.nnx.PolicyModule(NnxHead(), "mixed_float8")
+    types = _product_types(lambda x: module(x), x)
+    assert types[-1] == (("f32", "f32"), ("f32",)), types
+    assert types[0][0] == ("f8E4M3FN", "f8E4M3FN"), types
+
     @jmp.as_written()  # A decorator too.
     def table(x):
         return x @ x.T

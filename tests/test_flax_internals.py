@@ -74,3 +74,34 @@ def test_no_module_but_the_seam_reads_flax_internals():
         for match in private.finditer(path.read_text())
     ]
     assert found == []
+
+
+@jax.numpy_dtype_promotion("standard")  # `dtype=None`: a half input meets a float32 kernel.
+def test_a_layer_inferring_its_dtype_is_told_from_an_authors_widening():
+    # `casting.infers_a_layers_dtype` reads where a conversion was written:
+    # Flax's `promote_dtype` (linen's and NNX's), for a layer with `dtype=None`.
+    from flax import nnx
+
+    from jmp_policy.core import jax_internals as ji
+    from jmp_policy.integrations.casting import infers_a_layers_dtype
+
+    def widenings(fn, *args):
+        found = []
+
+        def walk(jaxpr):
+            for eqn in jaxpr.eqns:
+                if eqn.primitive is ji.convert_element_type_p and ji.new_dtype(eqn) == jnp.float32:
+                    found.append(infers_a_layers_dtype(ji.origin(eqn)))
+                for sub in ji.sub_jaxprs(eqn):
+                    walk(sub)
+
+        walk(jax.make_jaxpr(fn)(*args).jaxpr)
+        return found
+
+    x = jnp.ones((2, 3), jnp.bfloat16)
+    dense = nn.Dense(4)
+    variables = dense.init(jax.random.key(0), x)
+    linear = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+    assert widenings(dense.apply, variables, x) == [True]
+    assert widenings(lambda x: linear(x), x) == [True]
+    assert widenings(lambda x: x.astype(jnp.float32) @ jnp.ones((3, 4)), x) == [False]

@@ -74,9 +74,6 @@ MATMUL_VARIANTS = ("p=f32,c=bf16,o=f32,m=bf16", "mixed_float8")
 # FP8 here, the example Transformer and tests/test_corpus.py's models under
 # m=bf16 too.
 LOWERED_ONLY = ("p=f32,c=bf16,o=f32,m=bf16",)
-# A product the model's author keeps in float32 on purpose takes the matmul
-# dtype like any other; a rule keeps it out.
-MATMUL_RULES = {"f32_math": {"Float32Logits_0": "f32"}}
 # Two bf16 implementations whose errors are both below one bfloat16 rounding
 # of the loss (2^-9, about 2e-3 relative) differ by chance by more than 1.5x:
 # errors are compared above a floor of half that, relative to the initial loss.
@@ -158,15 +155,9 @@ def _compile_and_train(step, args, batch, variant: str) -> tuple[Any, list, floa
     return args, (losses, skipped), t1 - t0, time.perf_counter() - t1, text
 
 
-def _rules(spec, variant):
-    if variant in MATMUL_VARIANTS:
-        return {**(spec.rules or {}), **MATMUL_RULES.get(spec.name, {})} or None
-    return spec.rules
-
-
 def linen_fns(spec: zoo.LinenSpec, variant: str, model) -> tuple[Any, Any]:
     """`(init, apply)` of a linen model under a variant."""
-    policy, rules = _policy(variant), _rules(spec, variant)
+    policy, rules = _policy(variant), spec.rules
     if policy:
         return (
             jmp_policy.with_policy(model.init, policy, rules=rules, keep_inputs=spec.keep_inputs),
@@ -214,7 +205,7 @@ def train_nnx(spec: zoo.NnxSpec, variant: str) -> Run:
     )
     policy = _policy(variant)
     if policy:
-        model = jnnx.PolicyModule(model, policy, rules=_rules(spec, variant))
+        model = jnnx.PolicyModule(model, policy, rules=spec.rules)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     call = (
         (lambda m: jmp_policy.autocast(m, "mixed_bfloat16"))

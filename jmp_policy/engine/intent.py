@@ -5,14 +5,16 @@ move what the author computed in float32 on purpose. Three kinds of product
 say so in the program itself, and run as written under every front end:
 
 * `precision=HIGHEST` (`matmul_dtype.asks_full_precision`).
-* A product one of whose operands is a *table*: made only from integers
-  (positions, `iota`/`arange`, integer inputs) and literals, with no
-  floating value given to the program in its ancestry. Rotary angles
-  `einsum(positions, inv_freq)`, a sinusoidal embedding `einsum(t, freqs)`
-  (its frequencies are a table), however the product is written (`@`,
-  `jnp.dot`, `einsum`). In bfloat16 a position near 8000 is off by up to 32.
-  A value made from booleans (a mask, a one-hot) or random bits is exact
-  or arbitrary in any precision, and is no table.
+* A product one of whose operands is a *table*: float arithmetic on
+  integers (positions, `iota`/`arange`, integer inputs), literals and NumPy
+  constants, with no floating value given to the program in its ancestry.
+  Rotary angles `einsum(positions, inv_freq)` (`inv_freq` is one), a
+  sinusoidal embedding `einsum(t, freqs)`, however the product is written
+  (`@`, `jnp.dot`, `einsum`). In bfloat16 a position near 8000 is off by up
+  to 32. Integers alone are no table (a head mask `einsum(weights, mask)`
+  takes the policy, as in the model's own half config), nor is a value
+  made from booleans (a mask, a one-hot: exact in any precision) or from
+  random bits.
 * A product an operand of which the program widens from a narrower float
   just before it (`h.astype(float32)` of a bfloat16 activation, through
   reshapes and transposes): DeepSeek-V3's router, Mixtral's expert combine,

@@ -2,8 +2,9 @@
 
 Both are common in LLM code (T5's and Llama's RMSNorm compute their
 statistics in float32; many LMs compute the output logits in float32).
-They have no `dtype` attribute: the hand config keeps them in float32; under a
-policy the operation decides, as for every product (a rule keeps them).
+They have no `dtype` attribute: the hand config keeps them in float32, and so
+does every policy: the logits' product widens its half operand, which the
+program shows (`jmp_policy.engine.intent`).
 """
 
 from __future__ import annotations
@@ -61,10 +62,12 @@ def loss(apply, variables, batch, rng):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}
 
 
-# Float32Logits' matmul, forward and its two gradients, stays float32 where the
-# model is run as written (its hand-written bf16 config); under a policy the
-# operation decides, in every front end, as torch.autocast does: every matmul
-# takes half operands, an explicit float32 one included (a rule,
-# `{Float32Logits: "f32"}`, keeps it: the matmul variants of test_zoo.py do).
-KEPT = {"handwritten_bf16": 3, "p=f32,c=bf16,o=f32,m=bf16": 3, "mixed_float8": 3}
+# Float32Logits' matmul, forward and its two gradients, stays float32 under
+# every policy, as in its hand-written bf16 config: the author widens its
+# operand from the half activation (`x.astype(jnp.float32)`).
+KEPT = {
+    variant: 3
+    for variant in ("handwritten_bf16", "mixed_bfloat16", "mixed_float16",
+                    "p=f32,c=bf16,o=f32,m=bf16", "mixed_float8")
+}  # fmt: skip
 LINEN = [LinenSpec("f32_math", Model, data, loss, kept_f32=KEPT)]
