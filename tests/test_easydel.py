@@ -12,15 +12,11 @@ pins clash with this project's.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
-from corpus.checks import BF16, error_bound, is_fp8
+
+from corpus.checks import BF16, error_bound, is_fp8, run_apart
 
 ROOT = Path(__file__).resolve().parent.parent
 EASYDEL = ROOT / ".venv" / "easydel"
@@ -39,17 +35,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    path = os.pathsep.join([str(EASYDEL), str(ROOT / "tests"), str(ROOT)])
-    with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run(
-            [sys.executable, str(ROOT / "tests" / "corpus" / "easydel_check.py")],
-            env={**os.environ, "PYTHONPATH": path, "TMPDIR": tmp},
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_apart("easydel_check.py", EASYDEL)
 
 
 @pytest.mark.parametrize("positions", POSITIONS)

@@ -11,15 +11,11 @@ path: `./run` installs them apart, in .venv/kerashub.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
-from corpus.checks import BF16, error_bound, is_fp8
+
+from corpus.checks import BF16, error_bound, is_fp8, run_apart
 
 ROOT = Path(__file__).resolve().parent.parent
 KERASHUB = ROOT / ".venv" / "kerashub"
@@ -36,17 +32,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    path = os.pathsep.join([str(KERASHUB), str(ROOT / "tests"), str(ROOT)])
-    with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run(
-            [sys.executable, str(ROOT / "tests" / "corpus" / "kerashub_check.py")],
-            env={**os.environ, "PYTHONPATH": path, "TMPDIR": tmp, "KERAS_BACKEND": "jax"},
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_apart("kerashub_check.py", KERASHUB, KERAS_BACKEND="jax")
 
 
 @pytest.mark.parametrize("window", WINDOWS)

@@ -10,7 +10,13 @@ float32 (`precision=HIGHEST`).
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -188,3 +194,43 @@ def assert_trains(losses: list[float], params: Any, learns: bool = True) -> None
     assert losses[-1] < losses[0] or (not learns and losses[-1] == losses[0]), losses
     assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(params))
     assert set(np.dtype(x.dtype) for x in jax.tree.leaves(params)) == {np.dtype(np.float32)}
+
+
+def max_error(a: Any, b: Any) -> float:
+    """The largest absolute difference, in float32."""
+    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+
+
+def all_finite(tree: Any) -> bool:
+    return bool(all(jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)))
+
+
+def step_figures(loss: Any, grads: Any, updates: Any, opt_state: Any) -> dict:
+    """What a `loss_scaled` train step of a corpus script reports."""
+    return {
+        "loss": float(loss),
+        "loss_finite": all_finite(loss),
+        "grads_finite": all_finite(grads),
+        "update_finite": all_finite(updates),
+        "update_nonzero": bool(any(jnp.any(u != 0) for u in jax.tree.leaves(updates))),
+        "loss_scale_after": float(jmp.get_loss_scale(opt_state).loss_scale),
+    }
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_apart(script: str, packages: Path, **env: str) -> dict:
+    """The JSON a corpus script prints last, run in a process of its own with
+    `packages` (what `./run` installed apart) first on its path."""
+    path = os.pathsep.join([str(packages), str(ROOT / "tests"), str(ROOT)])
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "corpus" / script)],
+            env={**os.environ, "PYTHONPATH": path, "TMPDIR": tmp, **env},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -161,14 +161,6 @@ def logits_fn(graphdef):
     return logits
 
 
-def max_err(a, b) -> float:
-    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
-
-
-def finite(tree) -> bool:
-    return bool(all(jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)))
-
-
 def short(error: Exception) -> str:
     """The error's type and the first line of its message."""
     lines = str(error).strip().splitlines()
@@ -180,7 +172,7 @@ def errors(forward, state, refs: dict) -> dict:
     out = {}
     for key, start in STARTS.items():
         got = forward(state, IDS, positions(start))
-        out[key] = max_err(got, refs[key])
+        out[key] = checks.max_error(got, refs[key])
         out["output_dtype"] = str(got.dtype)
     return out
 
@@ -234,12 +226,7 @@ def train_step(model: nnx.Module, kind: str, policy: str) -> dict:
     loss, grads, updates, opt_state = step(params, other, opt_state)
     return {
         "ran": True,
-        "loss": float(loss),
-        "loss_finite": finite(loss),
-        "grads_finite": finite(grads),
-        "update_finite": finite(updates),
-        "update_nonzero": bool(any(jnp.any(u != 0) for u in jax.tree.leaves(updates))),
-        "loss_scale_after": float(jmp.get_loss_scale(opt_state).loss_scale),
+        **checks.step_figures(loss, grads, updates, opt_state),
     }
 
 

@@ -49,6 +49,8 @@ import optax  # noqa: E402
 
 import jmp_policy as jmp  # noqa: E402
 
+from corpus import checks  # noqa: E402
+
 POLICIES = ("mixed_bfloat16", "mixed_bfloat16,m=bf16", "mixed_float8")
 CONFIG = dict(
     vocabulary_size=256,
@@ -67,14 +69,6 @@ TRAIN_B, TRAIN_T = 2, 128
 def backbone(dtype: str) -> keras_hub.models.GemmaBackbone:
     keras.utils.set_random_seed(0)
     return keras_hub.models.GemmaBackbone(**CONFIG, dtype=dtype)
-
-
-def max_err(a, b) -> float:
-    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
-
-
-def finite(tree) -> bool:
-    return bool(all(jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)))
 
 
 def state(model: keras.Model) -> tuple[list, list]:
@@ -156,12 +150,7 @@ def train_step(lm: keras_hub.models.GemmaCausalLM, policy: str) -> dict:
     loss, grads, updates, opt_state = step(tv, ntv, opt_state)
     return {
         "policy": policy,
-        "loss": float(loss),
-        "loss_finite": finite(loss),
-        "grads_finite": finite(grads),
-        "update_finite": finite(updates),
-        "update_nonzero": bool(any(jnp.any(u != 0) for u in jax.tree.leaves(updates))),
-        "loss_scale_after": float(jmp.get_loss_scale(opt_state).loss_scale),
+        **checks.step_figures(loss, grads, updates, opt_state),
     }
 
 
@@ -192,16 +181,16 @@ def main() -> int:
         tv_mixed, ntv_mixed, window, cache.astype(jnp.bfloat16)
     )
     results["keras_mixed"] = {
-        "len1024": max_err(got_full, want_full),
-        "pos8192": max_err(got_window, want_window),
+        "len1024": checks.max_error(got_full, want_full),
+        "pos8192": checks.max_error(got_window, want_window),
         "output_dtype": str(got_full.dtype),
     }
     for policy in POLICIES:
         got_full = jax.jit(jmp.autocast(full(ref), policy))(tv, ntv, inputs)
         got_window, _ = jax.jit(jmp.autocast(windowed(lm), policy))(tv, ntv, window, cache)
         results[f"autocast[{policy}]"] = {
-            "len1024": max_err(got_full, want_full),
-            "pos8192": max_err(got_window, want_window),
+            "len1024": checks.max_error(got_full, want_full),
+            "pos8192": checks.max_error(got_window, want_window),
             "output_dtype": str(got_full.dtype),
         }
     results["reference_scale"] = {
