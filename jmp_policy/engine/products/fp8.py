@@ -142,7 +142,7 @@ class _Layout:
 Bilinear = Callable[[Any, Any], Any]  # `(a, b) -> the float32 product`
 
 
-def _transposed(product: Any, lhs: Any, rhs: Any, side: str, results: np.dtype) -> Bilinear:
+def transposed_product(product: Any, lhs: Any, rhs: Any, side: str, results: np.dtype) -> Bilinear:
     """`(g, other) -> d side` of `product(lhs, rhs)` for output gradient `g`.
 
     JAX's own transpose rule, traced once on float32 stand-ins of the shapes
@@ -310,8 +310,8 @@ def _fp8_product(
 ) -> jax.Array:
     layout = _Layout(dims, lhs.ndim, rhs.ndim)
     lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
-    t_lhs = _transposed(product, lhs, rhs, "lhs", results)
-    t_rhs = _transposed(product, lhs, rhs, "rhs", results)
+    t_lhs = transposed_product(product, lhs, rhs, "lhs", results)
+    t_rhs = transposed_product(product, lhs, rhs, "rhs", results)
     e4m3, e5m2 = (E4M3, E4M3_MAX), (E5M2, E5M2_MAX)
     axes = layout.backward_axes
 

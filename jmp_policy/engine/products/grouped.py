@@ -20,7 +20,7 @@ import numpy as np
 
 from jmp_policy.core import jax_internals as ji
 from jmp_policy.core.dtypes import F32, SCALED_MATMUL_DTYPES, cast
-from jmp_policy.engine.products.fp8 import _transposed
+from jmp_policy.engine.products.fp8 import transposed_product
 from jmp_policy.engine.products.fp8_format import (
     E4M3_SCALING,
     E5M2_SCALING,
@@ -79,8 +79,8 @@ def grouped_product(
         product = product_of(eqn, extra)
         qg, sg = copy(g, E5M2_SCALING)
         accumulate = F32 if scaled else results
-        d_lhs = rescaled(_transposed(product, ql, qr, "lhs", accumulate)(qg, qr), sg, sr)
-        d_rhs = rescaled(_transposed(product, ql, qr, "rhs", accumulate)(qg, ql), sg, sl)
+        d_lhs = rescaled(transposed_product(product, ql, qr, "lhs", accumulate)(qg, qr), sg, sr)
+        d_rhs = rescaled(transposed_product(product, ql, qr, "rhs", accumulate)(qg, ql), sg, sl)
         return (cast(d_lhs, lhs_dtype), cast(d_rhs, rhs_dtype), *(None for _ in extra))
 
     f.defvjp(fwd, decided(bwd))
