@@ -308,3 +308,17 @@ def test_every_benchmark_script_starts_and_the_others_run_quick():
         if name == "gpu_compile":
             # No CUDA plugin on the path: it reads its targets, then says why not.
             assert "gpu_compile: not run: compiling for a GPU needs the CUDA plugin" in proc.stdout
+
+
+saved_bytes = import_benchmark("saved_bytes")
+
+
+@pytest.mark.parametrize("model", ["Transformer", "Equinox"])
+def test_autocast_saves_no_more_than_the_models_own_half_config(model):
+    # Activations stay in the compute dtype between products: the bytes the
+    # backward pass keeps are at most the own config's (x 1.02), both halves.
+    for policy, half in saved_bytes.POLICIES.items():
+        figures = saved_bytes.MODELS[model](policy, half)
+        own = figures.pop("own config")
+        for front_end, value in figures.items():
+            assert value <= saved_bytes.TARGET * own, (policy, front_end, value, own)

@@ -182,7 +182,10 @@ def declare_state(made: Any, given: Any = None) -> None:
     for path, x in jax.tree_util.tree_leaves_with_path(made):
         if is_float(x):
             for value in ji.primals(x):
-                declared.kept[id(value)] = (value, dtypes.get(path, AS_MADE))
+                dtype = dtypes.get(path, AS_MADE)
+                if dtype == AS_MADE and declared.kept_dtype(value) is not None:
+                    continue  # Also a variable that came in (sown and cached): its dtype.
+                declared.kept[id(value)] = (value, dtype)
 
 
 def is_declared_state(x: Any) -> bool:

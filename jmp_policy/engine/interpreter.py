@@ -196,12 +196,14 @@ def _scopes_in(jaxpr: ji.Jaxpr, rules: Rules) -> tuple:
 
 
 def _custom_jvp_rule(eqn, invals, rules, marks):
-    # Inputs take the dtypes the JVP rule was written for; outputs are free.
-    args = _as_original(eqn, invals)
+    # The function and its JVP rule run on the inputs as they come (the
+    # values the engine narrowed too), each traced as the program wrote it.
     call = ji.custom_jvp_primal(eqn)
     if not all(is_float(a) for a in (*call.in_avals, *call.out_avals)):
-        return ji.bind(eqn, args)  # Ints would need float0 tangents: run as written.
+        # Ints would need float0 tangents: run as written.
+        return ji.bind(eqn, _as_original(eqn, invals))
     inner = _body_marks(eqn, marks)
+    args = _as_original(eqn, invals) if rules.only_products else invals
 
     @_in_scope
     def primal(*xs):
@@ -212,13 +214,18 @@ def _custom_jvp_rule(eqn, invals, rules, marks):
 
     @f.defjvp
     def f_jvp(primals, tangents):
-        # The original rule, traced and autocast, so that e.g. softmax's
-        # exp and sum also run in float32 under `jax.grad`.
+        # The original rule, rewritten, so that e.g. softmax's exp and sum
+        # also run as the rules say under `jax.grad`.
         def jvp(primals, tangents):
             return jax.jvp(lambda *xs: ji.bind(eqn, xs), primals, tangents)
 
+        written = [ji.stand_in(a, a.dtype) for a in call.in_avals]
+        program = jax.make_jaxpr(jvp)(written, written)
+        given = [*primals, *tangents]
+        jvp_marks = [*inner, *(intent.given(x.dtype) for x in tangents)]
         jvp_rules = dataclasses.replace(rules, products="plain")
-        out, out_dot = trace_and_eval(jvp, (tuple(primals), tuple(tangents)), jvp_rules)
+        outs = _eval(program.jaxpr, program.consts, given, jvp_rules, jvp_marks)
+        out, out_dot = outs[: len(out_dtypes)], outs[len(out_dtypes) :]
         return _outputs_as(out, out_dtypes), _outputs_as(out_dot, out_dtypes)
 
     return f(*args)
@@ -246,11 +253,13 @@ def _custom_vjp_rule(eqn, invals, rules, marks):
     def original_vjp(xs, cts):
         return jax.vjp(lambda *a: ji.bind(eqn, a), *xs)[1](list(cts))
 
+    def bwd(xs, cts):
+        # Each cotangent in its primal's dtype, whatever the rule computes in.
+        return tuple(_outputs_as(trace_and_eval(original_vjp, (xs, tuple(cts)), rules),
+                                 [x.dtype for x in xs]))  # fmt: skip
+
     f = jax.custom_vjp(primal)
-    f.defvjp(
-        lambda *xs: (primal(*xs), xs),
-        lambda xs, cts: tuple(trace_and_eval(original_vjp, (xs, tuple(cts)), rules)),
-    )
+    f.defvjp(lambda *xs: (primal(*xs), xs), bwd)
     return f(*args)
 
 
@@ -356,16 +365,30 @@ def _products_here(rules: Rules) -> tuple[np.dtype, np.dtype | None, str, np.dty
     return np.dtype(c), (None if m == "none" else np.dtype(m)), scaling, np.dtype(r)
 
 
-def _results_dtype(invals, out_dtype, reduce_dtype):
-    """The dtype a rewritten product gives its results in, before they take the
-    program's: the reduce dtype (float32 for a wider one), except for
-    operands already no wider than it whose wider result the program asked for."""
+def _results_dtype(eqn, reduce_dtype):
+    """The dtype a rewritten product gives its results in: the reduce dtype
+    (float32 for a wider one), except where the program's operands are no
+    wider than it and it asked for a wider result."""
     if reduce_dtype.itemsize >= _F32.itemsize:
         return _F32
-    asked = np.dtype(out_dtype).itemsize > reduce_dtype.itemsize and all(
-        x.dtype.itemsize <= reduce_dtype.itemsize for x in invals
+    out_dtype = np.dtype(eqn.outvars[0].aval.dtype)
+    asked = out_dtype.itemsize > reduce_dtype.itemsize and all(
+        ji.shaped(v).dtype.itemsize <= reduce_dtype.itemsize for v in eqn.invars[:2]
     )
     return _F32 if asked else reduce_dtype
+
+
+def _leaves_in(eqn, invals, rules, results):
+    """The dtype a rewritten product's result leaves it in: the program's
+    under a front end that rewrites only products (its layers' dtype fields
+    say the rest); under `autocast`, `results` where the program's operands
+    are wider (its float32 is the trace's, not the author's: `_between_products`)."""
+    out_dtype = eqn.outvars[0].aval.dtype
+    if rules.only_products or not all(
+        ji.shaped(v).dtype.itemsize > results.itemsize for v in eqn.invars[:2]
+    ):
+        return out_dtype
+    return results if np.dtype(out_dtype).itemsize > results.itemsize else out_dtype
 
 
 def _matmul_dtype_product(eqn, invals, rules, m, scaling, r):
@@ -373,8 +396,8 @@ def _matmul_dtype_product(eqn, invals, rules, m, scaling, r):
     if m is None or eqn.primitive is ji.conv_general_dilated_p:
         return None  # Convolutions run in the compute dtype, also under FP8.
     lhs, rhs, *extra = invals
-    out_dtype = eqn.outvars[0].aval.dtype
-    results = _results_dtype(invals[:2], out_dtype, r)
+    results = _results_dtype(eqn, r)
+    out_dtype = _leaves_in(eqn, invals, rules, results)
     if rules.products == "vjp":
         if m in SCALED_MATMUL_DTYPES and eqn.primitive is ji.dot_general_p:
             p = ji.dot_params(eqn)
@@ -394,8 +417,8 @@ def _product_rule(eqn, invals, rules):
     if out is not None:
         return out
     lhs, rhs, *extra = invals
-    out_dtype = eqn.outvars[0].aval.dtype
-    results = _results_dtype(invals[:2], out_dtype, r)
+    results = _results_dtype(eqn, r)
+    out_dtype = _leaves_in(eqn, invals, rules, results)
     in_compute = all(x.dtype == c or x.dtype.itemsize < c.itemsize for x in (lhs, rhs))
     if rules.only_products and in_compute and results == out_dtype:
         # Operands in the compute dtype (or narrower) already, results in the
@@ -404,7 +427,7 @@ def _product_rule(eqn, invals, rules):
         wide = np.dtype(out_dtype).itemsize > c.itemsize
         if not (wide and all(x.dtype == c for x in (lhs, rhs)) and cpu_form.in_use()):
             return ji.bind(eqn, _as_original(eqn, invals))
-    if out_dtype == c and results == c:
+    if eqn.outvars[0].aval.dtype == c and results == c:
         # The program asked for a half result: JAX's own backward is half too.
         return ji.bind(eqn, [cast(lhs, c), cast(rhs, c), *extra])
     if rules.products == "plain" or c.itemsize >= _F32.itemsize:
@@ -532,8 +555,49 @@ def _apply(eqn, invals, rules, marks):
     target = widest(strong or [invals[i].dtype for i in floats])
     if name in rules.float32:
         target = _F32 if target.itemsize < _F32.itemsize else target
-    args = [cast(x, target) if i in floats else x for i, x in enumerate(invals)]
-    return ji.bind(eqn, args)
+    back = _between_products(eqn, invals, floats, rules)
+
+    def run(*xs):
+        out = ji.bind(eqn, [cast(x, target) if i in floats else x for i, x in enumerate(xs)])
+        if back is None:
+            return out
+        return _outputs_as(out, [back] * len(out)) if prim.multiple_results else _outputs_as([out], [back])[0]
+
+    if back is None or back.itemsize >= target.itemsize:
+        return run(*invals)
+    # Computed wide, rounded back once; the backward pass keeps the narrow
+    # inputs and recomputes it (a fused elementwise op), so no wide copy of
+    # an activation is saved that the half config would not save. No
+    # barrier: XLA fuses the recomputation into the backward's own kernels.
+    return jax.checkpoint(run, prevent_cse=False)(*invals)
+
+
+# Float32-set operations whose results stay float32: sums and products over
+# many values (a norm's mean and variance, softmax's denominator, a running
+# sum), the statistics the rest of a model divides and subtracts by.
+STATISTICS = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
+
+
+def _between_products(eqn, invals, floats, rules) -> np.dtype | None:
+    """The dtype an operation on values the engine made narrower than the
+    program's gives its results in, or None (as the rules compute them).
+
+    A product's result under `autocast` is in the compute dtype (`_leaves_in`);
+    what the model computes from it stays there, as in the model's own half
+    config: a bias, a parameter or a float32 statistic it meets joins it
+    (computed in the wider dtype, rounded once), and a float32-set operation
+    on it (an exponential, GELU's cube) computes in float32 and rounds back
+    once, where the half config computes it in half. A sum or product over
+    many values (`STATISTICS`) stays float32.
+    """
+    narrowed = [
+        invals[i].dtype
+        for i in floats
+        if invals[i].dtype.itemsize < ji.shaped(eqn.invars[i]).dtype.itemsize
+    ]
+    if not narrowed or eqn.primitive.name in STATISTICS:
+        return None
+    return widest(narrowed)
 
 
 def may_scale(rules: Rules) -> bool:

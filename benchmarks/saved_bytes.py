@@ -1,0 +1,154 @@
+"""What the backward pass saves under a half policy, per front end, against
+the model's own half config.
+
+What it measures
+----------------
+The values JAX saves on the forward pass of a loss's gradient for its
+backward pass (`jmp_policy.core.diagnostics.saved_residuals`), the
+arguments (parameters, the batch) left out, summed as `size * itemsize`:
+the activations a train step keeps alive, which on a GPU are memory and
+bandwidth. Each front end runs the model's float32 config under a policy;
+the reference is the model's own half config (its layers' `dtype`, or its
+parameters cast to the compute dtype), with float32 parameters. Target:
+every front end at most 1.02x the own config's bytes, for `mixed_bfloat16`
+and `mixed_float16`.
+
+  Transformer   the example linen Transformer LM (`jmp_policy/app/transformer_lm.py`:
+                2 pre-LN blocks of attention and a GELU MLP, batch 16 x 32):
+                own = its `dtype=` field; `with_policy`; `autocast`
+  Equinox       a pre-LN Equinox block (multi-head attention, GELU MLP,
+                batch 8 x 32 tokens of width 64) mapped over the batch:
+                own = its parameters cast to the compute dtype (Equinox has
+                no dtype field; mpx and the Equinox docs do this); `autocast`
+
+Usage::
+
+    python benchmarks/saved_bytes.py     # ~1 minute on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import jmp_policy
+from jmp_policy.app import transformer_lm
+from jmp_policy.core.diagnostics import saved_residuals
+
+TARGET = 1.02
+POLICIES = {"mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
+
+
+def saved_bytes(loss: Callable[..., jax.Array], *args: Any) -> int:
+    """Bytes `jax.grad(loss)` saves for its backward pass, arguments left out."""
+    return sum(
+        int(aval.size) * aval.dtype.itemsize
+        for aval, origin in saved_residuals(loss, *args)
+        if not origin.startswith("from the argument")
+    )
+
+
+def transformer(policy: str, half: Any) -> dict[str, int]:
+    """Saved bytes of the example Transformer's loss, by front end."""
+    lm = transformer_lm
+    batches, _, vocab = lm.make_data(1)
+    model = lm.make_model(vocab)
+    params = lm.init_params(model, "float32")
+    batch = jnp.asarray(batches[0])
+    applies = {
+        "own config": lm.make_model(vocab, dtype=half).apply,
+        "with_policy": jmp_policy.with_policy(model.apply, policy),
+        "autocast": jmp_policy.autocast(model.apply, policy),
+    }
+    return {
+        name: saved_bytes(functools.partial(lm.loss_fn, apply), params, batch)
+        for name, apply in applies.items()
+    }
+
+
+class EquinoxBlock(eqx.Module):
+    """A pre-LN Transformer block for one sequence `[tokens, width]`."""
+
+    norm1: eqx.nn.LayerNorm
+    attention: eqx.nn.MultiheadAttention
+    norm2: eqx.nn.LayerNorm
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, width: int, heads: int, key: jax.Array) -> None:
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.norm1 = eqx.nn.LayerNorm(width)
+        self.attention = eqx.nn.MultiheadAttention(heads, width, key=k1)
+        self.norm2 = eqx.nn.LayerNorm(width)
+        self.up = eqx.nn.Linear(width, 4 * width, key=k2)
+        self.down = eqx.nn.Linear(4 * width, width, key=k3)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jax.vmap(self.norm1)(x)
+        x = x + self.attention(h, h, h)
+        h = jax.vmap(self.norm2)(x)
+        return x + jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(h)))
+
+
+def _to(dtype: Any) -> Callable[[Any], Any]:
+    def cast(x: Any) -> Any:
+        floating = eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
+        return x.astype(dtype) if floating else x
+
+    return cast
+
+
+def equinox(policy: str, half: Any) -> dict[str, int]:
+    """Saved bytes of the Equinox block's loss, by front end."""
+    params, static = eqx.partition(EquinoxBlock(64, 4, jax.random.key(0)), eqx.is_inexact_array)
+    x = jax.random.normal(jax.random.key(1), (8, 32, 64))
+
+    def own(params: Any, x: jax.Array) -> jax.Array:
+        block = eqx.combine(jax.tree.map(_to(half), params), static)
+        return jax.vmap(block)(x.astype(half))
+
+    def mixed(params: Any, x: jax.Array) -> jax.Array:
+        return jax.vmap(eqx.combine(params, static))(x)
+
+    def loss(call: Callable, params: Any, x: jax.Array) -> jax.Array:
+        return jnp.mean(jnp.square(call(params, x).astype(jnp.float32)))
+
+    calls = {"own config": own, "autocast": jmp_policy.autocast(mixed, policy)}
+    return {name: saved_bytes(functools.partial(loss, c), params, x) for name, c in calls.items()}
+
+
+MODELS = {"Transformer": transformer, "Equinox": equinox}
+
+
+def main() -> int:
+    print(
+        f"Bytes saved for the backward pass (arguments left out), per front end, against the "
+        f"model's own half config; jax {jax.__version__}, {jax.default_backend()}, "
+        f"{platform.machine()}"
+    )
+    print(f"{'model':<12} {'policy':<15} {'front end':<12} {'saved bytes':>12}  x own config")
+    print("-" * 68)
+    held = True
+    for model, measure in MODELS.items():
+        for policy, half in POLICIES.items():
+            figures = measure(policy, half)
+            own = figures["own config"]
+            for name, value in figures.items():
+                ratio = value / own
+                mark = "" if name == "own config" else ("" if ratio <= TARGET else "  FALLS SHORT")
+                held = held and not mark
+                print(f"{model:<12} {policy:<15} {name:<12} {value:>12,}  {ratio:.3f}{mark}")
+    verdict = "holds" if held else "FALLS SHORT"
+    print(f"every front end <= {TARGET} x the own config's saved bytes: {verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
