@@ -22,11 +22,12 @@ def pytest_configure(config):
     )
 
 
-# Scripts: gemma_check.py runs in a process of its own (test_corpus.py), where
-# gemma is importable; figures.py prints the corpus table of the docs.
+# Scripts: each corpus script runs in a process of its own, where its model's
+# package is importable; figures.py prints the corpus table of the docs.
 collect_ignore = [
     "corpus/gemma_check.py",
     "corpus/maxtext_check.py",
+    "corpus/maxtext_saved.py",
     "corpus/kerashub_check.py",
     "corpus/easydel_check.py",
     "corpus/figures.py",

@@ -161,16 +161,17 @@ _DECLARED: contextvars.ContextVar[_Declared | None] = contextvars.ContextVar(
 )
 
 
-# Declared state without a variable it came in as: its dtype as the engine makes it.
+# Declared state without a variable it came in as: its dtype as the traced
+# program makes it (not a narrower one `autocast` computes it in).
 AS_MADE = "as made"
 
 
 def declare_state(made: Any, given: Any = None) -> None:
     """Says that the arrays of `made`, values of the program being traced, are
     state: returned by it, each keeps the dtype of `given`'s leaf at its path
-    (the variable as it came in), else the dtype the engine makes it in (a
-    sown value, as the model's own half config sows it). A no-op outside a
-    traced call."""
+    (the variable as it came in), else the dtype the traced program makes
+    it in (a sown value, as the model sows it). A no-op outside a traced
+    call."""
     declared = _DECLARED.get()
     if declared is None:
         return
@@ -214,11 +215,20 @@ class Flow:
     """
 
     def __init__(
-        self, sources: dict[int, Any] | None = None, declared: dict[int, np.dtype] | None = None
+        self,
+        sources: dict[int, Any] | None = None,
+        declared: dict[int, np.dtype] | None = None,
+        made: dict[int, np.dtype] | None = None,
     ) -> None:
         self._sources = sources or {}
         self._declared = declared or {}
+        self._made = made or {}
         self.loop_body: tuple[str, Any] | None = None
+
+    def made_dtype(self, leaf: Any) -> np.dtype | None:
+        """The dtype the traced program made the result `leaf` in (`autocast`
+        may narrow a value between products below it), or None if unknown."""
+        return self._made.get(id(leaf))
 
     def source(self, leaf: Any) -> Any:
         """The argument array `leaf` was built from by buffer operations, or None."""
@@ -246,11 +256,14 @@ def flow_of(
     sources: list[Sources],
     outs: Sequence[Any],
     declared: Sequence[np.dtype | str | None] = (),
+    made: Sequence[np.dtype] = (),
 ) -> Flow:
     """The `Flow` of a program run on `values` that returned `outs`, with
-    `buffer_sources`, and the dtype declared for each result as it was traced."""
+    `buffer_sources`, the dtype declared for each result as it was traced,
+    and the dtype the traced program made each in."""
+    made_in = {id(out): np.dtype(d) for out, d in zip(outs, made) if is_float(out)}
     kept: dict[int, np.dtype] = {
-        id(out): np.dtype(out.dtype) if isinstance(d, str) else d  # `AS_MADE`
+        id(out): made_in.get(id(out), np.dtype(out.dtype)) if isinstance(d, str) else d  # `AS_MADE`
         for out, d in zip(outs, declared)
         if d is not None and is_float(out)
     }
@@ -263,7 +276,7 @@ def flow_of(
             # Of several (a buffer grown from two), the one in the result's dtype.
             same = [v for v in candidates if v.dtype == out.dtype]
             found[id(out)] = (same or candidates)[0]
-    return Flow(found, kept)
+    return Flow(found, kept, made_in)
 
 
 def as_given(new: Any, given: Any) -> Any:
@@ -331,8 +344,12 @@ def cast_results(
     def by_flow(tree: Any) -> Any:
         return jax.tree.map(lambda x: keep_source(x, to_output), tree)
 
+    def as_made(leaf: Any) -> Any:
+        made = flow.made_dtype(leaf)
+        return leaf if made is None or not is_float(leaf) else cast(leaf, made)
+
     def as_state(tree: Any) -> Any:
-        return jax.tree.map(lambda x: keep_source(x, lambda y: y), tree)
+        return jax.tree.map(lambda x: keep_source(x, as_made), tree)
 
     def as_result(tree: Any) -> Any:
         return jax.tree.map(lambda x: to_output(x) if isinstance(x, ji.ARRAYS) else x, tree)

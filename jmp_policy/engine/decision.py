@@ -56,6 +56,7 @@ PROMOTE_PRIMITIVES: frozenset[str] = frozenset(
         "dynamic_slice", "concatenate", "stack", "pad", "gather", "unstack",
         "split", "tile", "reduce_max", "reduce_min", "argmax", "argmin", "cummax",
         "cummin", "reduce_window_max", "reduce_window_min", "sharding_constraint",
+        "name",  # `checkpoint_name`: the value, named for a remat policy.
     }
 )  # fmt: skip
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy.core import jax_internals as ji
@@ -112,6 +113,11 @@ _CONDITION_PROGRAMS = frozenset({"cond_jaxpr"})
 
 
 def _control_flow_rule(eqn, invals, rules, marks):
+    if eqn.primitive.name == "scan" and not rules.only_products:
+        narrowed = _scan_with_narrowed_carry(eqn, invals, rules, marks)
+        if narrowed is not None:
+            return narrowed
+
     def rewrite(closed, name):
         in_dtypes, out_dtypes = ([a.dtype for a in x] for x in (closed.in_avals, closed.out_avals))
         part = "cond" if name in _CONDITION_PROGRAMS else "body"
@@ -124,6 +130,34 @@ def _control_flow_rule(eqn, invals, rules, marks):
         for name, value in ji.control_flow_programs(eqn).items()
     }
     return ji.bind(eqn, _as_original(eqn, invals), ji.replaced_params(eqn, **programs))
+
+
+def _scan_with_narrowed_carry(eqn, invals, rules, marks):
+    """Under `autocast`, a scan whose carry comes in narrowed by the engine (a
+    residual stream over scanned layers: `_between_products`), run with that
+    carry in its narrow dtype where the body gives it back so, as the model's
+    own half config carries it; None where none comes in narrowed. Its
+    constants and scanned inputs take the program's dtypes (a recurrence over
+    a sequence from a float32 state runs as written); a carry the body
+    widens, too."""
+    parts = ji.loop_parts(eqn)
+    closed = ji.param(eqn, "jaxpr")
+    original = [a.dtype for a in closed.in_avals]
+    dtypes = [invals[i].dtype if i in parts.carry and _narrowed(eqn, invals, i) else d
+              for i, d in enumerate(original)]  # fmt: skip
+    if dtypes == original:
+        return None
+    inner = _body_marks(eqn, marks)
+    body = _rewrite_closed(closed, rules, dtypes, inner)
+    made = [a.dtype for a in body.out_avals]
+    carry_out = made[: len(parts.carry)]
+    if carry_out != [dtypes[i] for i in parts.carry]:
+        for k, i in enumerate(parts.carry):  # Widened by the body: the program's dtype.
+            dtypes[i] = dtypes[i] if carry_out[k] == dtypes[i] else original[i]
+        carry_out = [dtypes[i] for i in parts.carry]
+        body = _rewrite_closed(closed, rules, dtypes, inner, carry_out + made[len(carry_out) :])
+    args = [cast(x, d) if is_float(x) else x for x, d in zip(invals, dtypes)]
+    return ji.bind(eqn, args, ji.replaced_params(eqn, jaxpr=body))
 
 
 def _remat_rule(eqn, invals, rules, marks):
@@ -149,10 +183,14 @@ def _shared(kind: str, jaxpr: ji.Jaxpr, rules: Rules, signature: Any, make: Call
     # rule's module traced within it, a region kept as written), which its
     # text does not show.
     scopes = (_scopes_of(_name_stack(), rules), _scopes_in(jaxpr, rules))
-    full_key = (kind, key, rules, scopes, signature)
+    full_key = (kind, key, rules, scopes, signature, _IN_REMAT.get())
     if full_key not in made:
         made[full_key] = make()
     return made[full_key]
+
+
+# Whether the operation being rewritten is inside a checkpointed region.
+_IN_REMAT: contextvars.ContextVar[bool] = contextvars.ContextVar("in_remat", default=False)
 
 
 def _remat_body(eqn, rules, marks):
@@ -160,7 +198,11 @@ def _remat_body(eqn, rules, marks):
 
     @_in_scope
     def body(*args):
-        return _eval(jaxpr, (), args, rules, marks)
+        token = _IN_REMAT.set(True)
+        try:
+            return _eval(jaxpr, (), args, rules, marks)
+        finally:
+            _IN_REMAT.reset(token)
 
     return _shared("checkpoint", jaxpr, rules, intent.key(jaxpr, marks), lambda: body)
 
@@ -265,16 +307,21 @@ def _custom_vjp_rule(eqn, invals, rules, marks):
 
 def _shard_map_rule(eqn, invals, rules, marks):
     # The per-device program is rewritten inside a new `shard_map` over the
-    # same mesh and specs; its inputs and results keep their dtypes.
+    # same mesh and specs; its inputs and results keep their dtypes, except
+    # under `autocast`, where the activations pass through as the engine
+    # makes them (a mixture of experts' per-device products).
     jaxpr = ji.shard_map_body(eqn)
     out_dtypes = [ji.shaped(v).dtype for v in jaxpr.outvars]
     inner = _body_marks(eqn, marks)
+    as_made = not rules.only_products
 
     @_in_scope
     def body(*args):
-        return tuple(_outputs_as(_eval(jaxpr, (), args, rules, inner), out_dtypes))
+        outs = _eval(jaxpr, (), args, rules, inner)
+        return tuple(outs if as_made else _outputs_as(outs, out_dtypes))
 
-    return list(jax.shard_map(body, **ji.shard_map_options(eqn))(*_as_original(eqn, invals)))
+    args = invals if as_made else _as_original(eqn, invals)
+    return list(jax.shard_map(body, **ji.shard_map_options(eqn))(*args))
 
 
 _HIGHER_ORDER = {p: _control_flow_rule for p in ji.CONTROL_FLOW_JAXPR_PARAMS}
@@ -522,7 +569,12 @@ def _apply(eqn, invals, rules, marks):
         return _shard_map_rule(eqn, invals, rules, marks)
     if prim is ji.convert_element_type_p:
         x, new_dtype = invals[0], ji.new_dtype(eqn)
-        return x if x.dtype == new_dtype else ji.bind(eqn, invals)
+        if x.dtype == new_dtype or (_narrowed(eqn, invals, 0) and not rules.only_products
+                                    and ji.shaped(eqn.invars[0]).dtype == new_dtype):  # fmt: skip
+            # As traced, a no-op: a value the engine narrowed stays so (a
+            # widening the program writes from a narrower dtype is the author's).
+            return x
+        return ji.bind(eqn, invals)
     if prim in ji.WRITTEN_OPERAND and is_float(invals[0]):
         # A write keeps its buffer's dtype; what is written takes it.
         at = ji.WRITTEN_OPERAND[prim]
@@ -534,6 +586,10 @@ def _apply(eqn, invals, rules, marks):
         # given to a program traced in float32) is written back in it.
         # (`autocast`'s own lists promote these.)
         return ji.bind(eqn, [invals[0], *_as_original(eqn, invals)[1:]])
+    if name == "gather" and _looks_up_a_parameter(eqn, invals, rules, marks):
+        # An embedding: the activation it gives is in the compute dtype, as
+        # the model's own half config looks it up in its half table.
+        return ji.bind(eqn, [cast(invals[0], rules.compute_dtype), *invals[1:]])
     floats = [i for i, x in enumerate(invals) if is_float(x)]
     if not floats or not (name in rules.half or name in rules.float32 or name in rules.promote):
         return ji.bind(eqn, _as_original(eqn, invals))  # Unknown: run as written.
@@ -561,7 +617,10 @@ def _apply(eqn, invals, rules, marks):
         out = ji.bind(eqn, [cast(x, target) if i in floats else x for i, x in enumerate(xs)])
         if back is None:
             return out
-        return _outputs_as(out, [back] * len(out)) if prim.multiple_results else _outputs_as([out], [back])[0]
+        # Inside a JVP rule, whose tangents JAX transposes, a plain (linear) cast.
+        saturate = rules.products != "plain"
+        outs = [_rounded_back(o, back, saturate) for o in (out if prim.multiple_results else [out])]
+        return outs if prim.multiple_results else outs[0]
 
     if back is None or back.itemsize >= target.itemsize:
         return run(*invals)
@@ -569,7 +628,49 @@ def _apply(eqn, invals, rules, marks):
     # inputs and recomputes it (a fused elementwise op), so no wide copy of
     # an activation is saved that the half config would not save. No
     # barrier: XLA fuses the recomputation into the backward's own kernels.
-    return jax.checkpoint(run, prevent_cse=False)(*invals)
+    # Inside a checkpointed region its policy decides (a checkpoint nested
+    # in one would keep its result).
+    return run(*invals) if _IN_REMAT.get() else jax.checkpoint(run, prevent_cse=False)(*invals)
+
+
+def _rounded_back(x, dtype, saturate=True):
+    """A wide result in the narrow `dtype`, saturated to its range (as FP8
+    casts saturate): a float32 mask value (`finfo(float32).min`) met by a
+    half activation stays a large finite number, as the half config's own
+    `finfo(bfloat16).min` is, not an infinity that a fully masked softmax row
+    would turn into NaN. NaN stays NaN."""
+    if not is_float(x) or x.dtype.itemsize <= np.dtype(dtype).itemsize:
+        return x
+    return _saturating_cast(x, np.dtype(dtype)) if saturate else cast(x, dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _saturating_cast(x, dtype):
+    info = jnp.finfo(dtype)
+    return cast(
+        jax.lax.clamp(np.asarray(info.min, x.dtype), x, np.asarray(info.max, x.dtype)), dtype
+    )
+
+
+@_saturating_cast.defjvp
+def _saturating_cast_jvp(dtype, primals, tangents):
+    # A cast's derivative (the half config's mask value is finite too): no
+    # residual saved, as for a plain cast.
+    return _saturating_cast(primals[0], dtype), cast(tangents[0], dtype)
+
+
+def _looks_up_a_parameter(eqn, invals, rules, marks) -> bool:
+    """Under `autocast`, whether a gather reads an argument's own elements
+    (a parameter table, not a value the program computed) wider than the
+    compute dtype, by integer indices."""
+    table, mark = invals[0], marks[eqn.invars[0]]
+    return (
+        not rules.only_products
+        and is_float(table)
+        and mark.origin is intent.Origin.DATA
+        and mark.buffer
+        and table.dtype.itemsize > rules.compute_dtype.itemsize
+    )
 
 
 # Float32-set operations whose results stay float32: sums and products over
@@ -588,16 +689,23 @@ def _between_products(eqn, invals, floats, rules) -> np.dtype | None:
     (computed in the wider dtype, rounded once), and a float32-set operation
     on it (an exponential, GELU's cube) computes in float32 and rounds back
     once, where the half config computes it in half. A sum or product over
-    many values (`STATISTICS`) stays float32.
+    many values (`STATISTICS`) stays float32. So for bfloat16 (and the FP8
+    policies, which compute in it); not for float16 (below).
     """
-    narrowed = [
-        invals[i].dtype
-        for i in floats
-        if invals[i].dtype.itemsize < ji.shaped(eqn.invars[i]).dtype.itemsize
-    ]
+    narrowed = [invals[i].dtype for i in floats if _narrowed(eqn, invals, i)]
     if not narrowed or eqn.primitive.name in STATISTICS:
         return None
-    return widest(narrowed)
+    back = widest(narrowed)
+    # float16 has not float32's range: there a float32 value it meets wins,
+    # as JAX promotes and PyTorch AMP keeps it (a normalization's float32
+    # statistics, an exponential).
+    return back if jnp.finfo(back).maxexp >= jnp.finfo(_F32).maxexp else None
+
+
+def _narrowed(eqn, invals, i) -> bool:
+    """Whether the engine made the equation's input `i` narrower than the program's."""
+    x = invals[i]
+    return is_float(x) and x.dtype.itemsize < ji.shaped(eqn.invars[i]).dtype.itemsize
 
 
 def may_scale(rules: Rules) -> bool:
@@ -658,7 +766,8 @@ def trace_and_eval(fn: Callable, args: Any, rules: Rules | None, *, flow: bool =
     out = jax.tree.unflatten(out_tree[0], full)
     if not flow:
         return out
-    return out, flow_of(values, buffer_sources(closed.jaxpr), results, declared_dtypes)
+    made = [ji.shaped(v).dtype for v in closed.jaxpr.outvars]
+    return out, flow_of(values, buffer_sources(closed.jaxpr), results, declared_dtypes, made)
 
 
 def _traced_and_run(traced_fn: Callable, values: list, rules: Rules | None) -> tuple[list, Any]:

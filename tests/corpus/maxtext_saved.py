@@ -1,0 +1,157 @@
+"""What MaxText's backward pass saves under `mixed_bfloat16`, per front end,
+against its own bf16 config (`dtype=bfloat16, weight_dtype=float32`).
+
+A tiny llama2 and mixtral (4 experts, 2 a token) decoder built by MaxText's
+own `pyconfig` and `model_creation_utils`, with `scan_layers` on and off and
+`remat_policy` minimal and full: the bytes `jax.grad` of the loss saves for
+its backward pass, arguments left out (`saved_residuals`), for the own
+config, `jmp_policy.nnx.PolicyModule`, linen `with_policy` (MaxText's
+`TransformerLinen`) and `autocast` (of the NNX model). Prints one JSON line:
+`{"llama2 scan=... remat=...": {"own config": bytes, front end: bytes}}`.
+Run apart, with MaxText first on the path (`checks.run_apart`), by
+benchmarks/saved_bytes.py and tests/test_maxtext.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = " ".join(
+    f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f
+)
+os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from maxtext import configs
+from maxtext.configs import pyconfig
+from maxtext.utils import maxtext_utils, maxtext_utils_nnx, model_creation_utils
+
+import jmp_policy as jmp
+import jmp_policy.nnx
+from jmp_policy.core.diagnostics import saved_residuals
+
+POLICY = "mixed_bfloat16"
+B, T, VOCAB = 2, 16, 64
+TOKENS = jax.random.randint(jax.random.key(1), (B, T), 1, VOCAB)
+KWARGS = {"enable_dropout": False, "model_mode": "train"}
+POSITIONS = jnp.broadcast_to(jnp.arange(T), (B, T))
+SEGMENTS = jnp.ones((B, T), jnp.int32)
+BLOCKS = {
+    "llama2": {"decoder_block": "llama2"},
+    "mixtral": {"decoder_block": "mixtral", "num_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+def config(block: str, scan: bool, remat: str, dtype: str) -> pyconfig.HyperParameters:
+    xla_flags = os.environ.get("XLA_FLAGS")
+    c = pyconfig.initialize(
+        ["maxtext_saved", os.path.join(os.path.dirname(configs.__file__), "base.yml")],
+        hardware="cpu",
+        skip_jax_distributed_system=True,
+        enable_checkpointing=False,
+        jax_cache_dir="",
+        run_name="maxtext_saved",
+        base_output_directory=os.path.join(os.environ.get("TMPDIR", "/tmp"), "maxtext_saved"),
+        dataset_type="synthetic",
+        attention="dot_product",
+        base_emb_dim=32,
+        base_num_query_heads=2,
+        base_num_kv_heads=2,
+        base_mlp_dim=64,
+        base_moe_mlp_dim=64,
+        base_num_decoder_layers=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        max_target_length=T,
+        per_device_batch_size=B,
+        scan_layers=scan,
+        remat_policy=remat,
+        dtype=dtype,
+        weight_dtype="float32",
+        **BLOCKS[block],
+    )
+    if xla_flags is None:  # pyconfig sets XLA_FLAGS to dump HLO.
+        os.environ.pop("XLA_FLAGS", None)
+    else:
+        os.environ["XLA_FLAGS"] = xla_flags
+    return c
+
+
+def loss(logits: jax.Array) -> jax.Array:
+    labels = jnp.roll(TOKENS, -1, axis=1)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), labels
+    ).mean()
+
+
+def saved_bytes(forward, params) -> int:
+    return sum(
+        int(aval.size) * aval.dtype.itemsize
+        for aval, origin in saved_residuals(lambda p: loss(forward(p)), params)
+        if not origin.startswith("from the argument")
+    )
+
+
+def nnx_forward(model: nnx.Module, policy: str | None):
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def call(model):
+        return model(TOKENS, POSITIONS, SEGMENTS, **KWARGS)
+
+    call = call if policy is None else jmp.autocast(call, policy)
+
+    def forward(params):
+        return call(nnx.merge(graph, params, jax.tree.map(lambda x: x, rest)))
+
+    return forward, params
+
+
+def figures(block: str, scan: bool, remat: str) -> dict[str, int]:
+    own_config, f32_config = (config(block, scan, remat, d) for d in ("bfloat16", "float32"))
+    mesh = maxtext_utils.get_mesh_from_config(f32_config)
+
+    def nnx_model(c):
+        rngs = maxtext_utils_nnx.create_nnx_rngs(c, model_mode="train")
+        return model_creation_utils.from_config(c, mesh=mesh, rngs=rngs, model_mode="train")
+
+    with jax.set_mesh(mesh), flax.core.spmd.logical_axis_rules(f32_config.logical_axis_rules):
+        model = nnx_model(f32_config)
+        own = nnx_model(own_config)
+        nnx.update(own, nnx.state(model, nnx.Param))
+        mixed = jmp_policy.nnx.PolicyModule(model, POLICY)
+        linen = model_creation_utils.from_config(f32_config, mesh=mesh, model_mode="train")
+        variables = linen.init(jax.random.key(0), TOKENS, POSITIONS, SEGMENTS, **KWARGS)
+        with_policy = jmp.with_policy(linen.apply, POLICY)
+        out = {
+            "own config": saved_bytes(*nnx_forward(own, None)),
+            "PolicyModule": saved_bytes(*nnx_forward(mixed, None)),
+            "with_policy": saved_bytes(
+                lambda v: with_policy(v, TOKENS, POSITIONS, SEGMENTS, **KWARGS), variables
+            ),
+            "autocast": saved_bytes(*nnx_forward(model, POLICY)),
+        }
+    return out
+
+
+def main() -> int:
+    found = {}
+    for block, scan, remat in itertools.product(BLOCKS, (False, True), ("minimal", "full")):
+        name = f"{block} scan={'on' if scan else 'off'} remat={remat}"
+        found[name] = figures(block, scan, remat)
+        print(name, found[name], file=sys.stderr)
+    print(json.dumps(found))
+    return 0
+
+
+if __name__ == "__main__":
+    with jax.numpy_dtype_promotion("standard"):
+        sys.exit(main())
