@@ -71,7 +71,7 @@ def transformer(policy: str, half: Any) -> dict[str, int]:
     model = lm.make_model(vocab)
     params = lm.init_params(model, "float32")
     batch = jnp.asarray(batches[0])
-    applies = {
+    applies: dict[str, Callable[..., Any]] = {
         "own config": lm.make_model(vocab, dtype=half).apply,
         "with_policy": jmp_policy.with_policy(model.apply, policy),
         "autocast": jmp_policy.autocast(model.apply, policy),

@@ -110,3 +110,22 @@ def test_registered_whichever_is_imported_first(flax_first):
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
     )
     assert out.stdout.split() == ["1024.0", "3"]
+
+
+@pytest.mark.parametrize(
+    "saved, target, bound",
+    [
+        # A scale that grew to 2^15, restored into a scale capped at 2048.
+        ({}, {"max_loss_scale": 2048.0}, "max_loss_scale"),
+        # A counter at 15, restored into a scale whose period is 10.
+        ({"counter": np.int32(15), "period": 20}, {"period": 10}, "period"),
+    ],
+)
+def test_a_restored_scale_outside_its_targets_bounds_is_refused_at_restore(saved, target, bound):
+    data = serialization.to_bytes(jmp.DynamicLossScale(np.float32(2.0**15), **saved))
+    into = jmp.DynamicLossScale(np.float32(1.0), **target)
+    with pytest.raises(ValueError, match=bound):
+        serialization.from_bytes(into, data)
+    # Within the bounds, the values come back.
+    restored = serialization.from_bytes(jmp.DynamicLossScale(np.float32(1.0), period=20), data)
+    assert float(restored.loss_scale) == 2.0**15 and restored.period == 20

@@ -141,6 +141,7 @@ def _scan_with_narrowed_carry(eqn, invals, rules, marks):
     a sequence from a float32 state runs as written); a carry the body
     widens, too."""
     parts = ji.loop_parts(eqn)
+    assert parts is not None  # A scan.
     closed = ji.param(eqn, "jaxpr")
     original = [a.dtype for a in closed.in_avals]
     dtypes = [invals[i].dtype if i in parts.carry and _narrowed(eqn, invals, i) else d
@@ -659,7 +660,9 @@ def _saturating_cast_jvp(dtype, primals, tangents):
     return _saturating_cast(primals[0], dtype), cast(tangents[0], dtype)
 
 
-def _looks_up_a_parameter(eqn, invals, rules, marks) -> bool:
+def _looks_up_a_parameter(
+    eqn: ji.JaxprEqn, invals: Sequence[Any], rules: Rules, marks: intent.Marks
+) -> bool:
     """Under `autocast`, whether a gather reads an argument's own elements
     (a parameter table, not a value the program computed) wider than the
     compute dtype, by integer indices."""
@@ -679,7 +682,9 @@ def _looks_up_a_parameter(eqn, invals, rules, marks) -> bool:
 STATISTICS = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
 
 
-def _between_products(eqn, invals, floats, rules) -> np.dtype | None:
+def _between_products(
+    eqn: ji.JaxprEqn, invals: Sequence[Any], floats: Sequence[int], rules: Rules
+) -> np.dtype | None:
     """The dtype an operation on values the engine made narrower than the
     program's gives its results in, or None (as the rules compute them).
 
@@ -702,7 +707,7 @@ def _between_products(eqn, invals, floats, rules) -> np.dtype | None:
     return back if jnp.finfo(back).maxexp >= jnp.finfo(_F32).maxexp else None
 
 
-def _narrowed(eqn, invals, i) -> bool:
+def _narrowed(eqn: ji.JaxprEqn, invals: Sequence[Any], i: int) -> bool:
     """Whether the engine made the equation's input `i` narrower than the program's."""
     x = invals[i]
     return is_float(x) and x.dtype.itemsize < ji.shaped(eqn.invars[i]).dtype.itemsize

@@ -14,6 +14,7 @@ target restored into, as Flax's own `DynamicScale` does.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.abc
 import sys
 import types
@@ -51,11 +52,23 @@ def _register(serialization: types.ModuleType) -> None:
                 f"target restored into has {sorted(names)} (a DynamicLossScale has "
                 "'overflows' only with hysteresis > 1)."
             )
-        restored = [
-            None if x is None else serialization.from_state_dict(x, state[name], name=name)
+        restored = {
+            name: serialization.from_state_dict(x, state[name], name=name)
             for name, x in fields
-        ]
-        return jax.tree_util.tree_unflatten(treedef, restored)
+            if x is not None
+        }
+        if not restored:
+            return target
+        # Through the constructor: the restored values are checked against
+        # the target's own bounds (a scale above its `max_loss_scale`, a
+        # counter past its `period`) here, not at the first `adjust`.
+        try:
+            return dataclasses.replace(target, **restored)
+        except ValueError as e:
+            raise ValueError(
+                f"The {type(target).__name__} restored at '{serialization.current_path()}' "
+                f"does not fit the target restored into: {e}"
+            ) from None
 
     for cls in _LOSS_SCALES:
         if not serialization.is_serializable(cls):
