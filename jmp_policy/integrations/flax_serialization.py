@@ -28,22 +28,20 @@ _MODULE = "flax.serialization"
 _LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 
 
-def _fields(scale: Any) -> tuple[list[tuple[str, Any]], Any]:
-    """`([(field name, value)], treedef)` of a loss scale's pytree children (a
-    child absent from this instance, such as `overflows` without hysteresis, is None)."""
-    children, treedef = jax.tree_util.tree_flatten_with_path(
-        scale, is_leaf=lambda x: x is not scale
-    )
-    return [(path[0].name, child) for path, child in children], treedef
+def _fields(scale: Any) -> list[tuple[str, Any]]:
+    """`[(field name, value)]` of a loss scale's pytree children (a child absent
+    from this instance, such as `overflows` without hysteresis, is None)."""
+    children, _ = jax.tree_util.tree_flatten_with_path(scale, is_leaf=lambda x: x is not scale)
+    return [(path[0].name, child) for path, child in children]
 
 
 def _register(serialization: types.ModuleType) -> None:
     def to_state_dict(scale: Any) -> dict[str, Any]:
-        fields = _fields(scale)[0]
+        fields = _fields(scale)
         return {name: serialization.to_state_dict(x) for name, x in fields if x is not None}
 
     def from_state_dict(target: Any, state: dict[str, Any]) -> Any:
-        fields, treedef = _fields(target)
+        fields = _fields(target)
         names = [name for name, x in fields if x is not None]
         if set(state) != set(names):
             raise ValueError(
