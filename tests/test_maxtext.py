@@ -66,3 +66,26 @@ def test_maxtext_products_take_one_dtype_in_every_front_end():
     for policy in seen["nnx"]:
         by_front_end = {f: json.loads(seen[f][policy]) for f in FRONT_ENDS}
         assert all(p == by_front_end["nnx"] for p in by_front_end.values()), (policy, by_front_end)
+
+
+def test_autocast_saves_no_more_than_maxtexts_own_bf16_config():
+    # tests/corpus/maxtext_saved.py: bytes saved for the backward pass under
+    # mixed_bfloat16, by layout (scan_layers, remat_policy) and front end.
+    path = os.pathsep.join([str(MAXTEXT), str(ROOT / "tests"), str(ROOT)])
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "corpus" / "maxtext_saved.py")],
+            env={**os.environ, "PYTHONPATH": path, "TMPDIR": tmp},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(found) == 8, found  # llama2 and mixtral, scan off/on, remat minimal/full.
+    for layout, figures in found.items():
+        # Mixtral's expert products under remat minimal are MaxText's megablox
+        # Pallas kernel, typed for the float32 it was traced with: left out.
+        if layout.startswith("mixtral") and layout.endswith("remat=minimal"):
+            continue
+        assert figures["autocast"] <= 1.02 * figures["own config"], (layout, figures)

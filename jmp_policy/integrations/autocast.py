@@ -159,7 +159,10 @@ def autocast(
 
     A transform over the traced program of any JAX function (plain `jnp`, Flax
     linen or NNX, Equinox), in the spirit of `torch.autocast`: `jmp_policy.engine`
-    says what each operation runs in. Arrays keep the dtypes they are given (storage is
+    says what each operation runs in. Activations stay in the compute dtype
+    between products, as in the model's own half config (sums and products
+    over many values in float32; under float16, a float32 value meeting a
+    half one wins, as in PyTorch AMP). Arrays keep the dtypes they are given (storage is
     `Policy.cast_to_param`'s job); only the operations are rewritten, and the
     floating results are cast to `policy.output_dtype`, except state, read
     from the traced program: a cache written or grown, a value passed
