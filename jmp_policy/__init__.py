@@ -8,9 +8,11 @@ promise. The core needs only jax, numpy and optax: `with_policy` (Flax linen)
 and `plot_histogram` (matplotlib) load their dependencies on first use.
 """
 
-import contextlib
-import sys
-from typing import TYPE_CHECKING, Any
+# Underscored: the namespace is `__all__` (and the subpackages).
+import contextlib as _contextlib
+import sys as _sys
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 from jmp_policy.engine.decision import FLOAT32_PRIMITIVES
 from jmp_policy.engine.decision import HALF_PRIMITIVES
@@ -41,7 +43,7 @@ from jmp_policy.core.policy import cast_to_half
 from jmp_policy.core.policy import get_policy
 from jmp_policy.core.policy import half_dtype
 
-if TYPE_CHECKING:
+if _TYPE_CHECKING:
     from jmp_policy.app.doctor import plot_histogram
     from jmp_policy.app.fp8_doctor import recommend_fp8_rules
     from jmp_policy.integrations.linen import with_policy
@@ -59,7 +61,7 @@ _LAZY = {
 def _nnx_state_handler(run, fn, args, kwargs):
     # An NNX module can only be in the call if Flax NNX is loaded: importing
     # jmp_policy never imports Flax.
-    if "flax.nnx" not in sys.modules:
+    if "flax.nnx" not in _sys.modules:
         return NotImplemented
     from jmp_policy.integrations.nnx import autocast_with_state
 
@@ -67,7 +69,7 @@ def _nnx_state_handler(run, fn, args, kwargs):
 
 
 def _linen_state_handler(run, fn, args, kwargs):
-    if "flax.linen" not in sys.modules:
+    if "flax.linen" not in _sys.modules:
         return NotImplemented
     from jmp_policy.integrations.linen import apply_keeping_variables
 
@@ -77,7 +79,7 @@ def _linen_state_handler(run, fn, args, kwargs):
 def _linen_state_reader(fn, kwargs, result):
     # Linen's `init` returns variables and `apply(..., mutable=...)` the
     # updated collections: state, as the model made it.
-    if "flax.linen" not in sys.modules:
+    if "flax.linen" not in _sys.modules:
         return None
     from jmp_policy.integrations.linen import state_in_result
 
@@ -86,8 +88,8 @@ def _linen_state_reader(fn, kwargs, result):
 
 def _linen_trace_context():
     # An `apply` inside the function returns its mutable collections: state.
-    if "flax.linen" not in sys.modules:
-        return contextlib.nullcontext()
+    if "flax.linen" not in _sys.modules:
+        return _contextlib.nullcontext()
     import flax.linen as nn
 
     from jmp_policy.integrations.linen.call import recording_interceptor
@@ -97,7 +99,7 @@ def _linen_trace_context():
 
 def _flax_dtype_inference(origin: str) -> bool:
     # A Flax layer with `dtype=None` widens a half input against its kernel.
-    if "flax" not in sys.modules:
+    if "flax" not in _sys.modules:
         return False
     from jmp_policy.integrations.casting import infers_a_layers_dtype
 
@@ -105,33 +107,31 @@ def _flax_dtype_inference(origin: str) -> bool:
 
 
 def _equinox_state_reader(fn, kwargs, result):
-    if "equinox" not in sys.modules:
+    if "equinox" not in _sys.modules:
         return None
     from jmp_policy.integrations.equinox import state_in_result
 
     return state_in_result(result)
 
 
-from jmp_policy.integrations.autocast import (  # noqa: E402
-    register_state_handler,
-    register_state_reader,
-    register_trace_context,
+from jmp_policy.engine.intent import register_dtype_inference as _register_dtype_inference  # noqa: E402
+from jmp_policy.integrations import autocast as _autocast_module  # noqa: E402
+from jmp_policy.integrations.flax_serialization import (  # noqa: E402
+    register_when_flax_loads as _register_when_flax_loads,
 )
-from jmp_policy.integrations.flax_serialization import register_when_flax_loads  # noqa: E402
-from jmp_policy.engine.intent import register_dtype_inference  # noqa: E402
 
 # Linen's first: the NNX handler runs every call that holds no NNX module.
-register_state_handler(_linen_state_handler)
-register_state_handler(_nnx_state_handler)
-register_state_reader(_linen_state_reader)
-register_state_reader(_equinox_state_reader)
-register_trace_context(_linen_trace_context)
-register_dtype_inference(_flax_dtype_inference)
+_autocast_module.register_state_handler(_linen_state_handler)
+_autocast_module.register_state_handler(_nnx_state_handler)
+_autocast_module.register_state_reader(_linen_state_reader)
+_autocast_module.register_state_reader(_equinox_state_reader)
+_autocast_module.register_trace_context(_linen_trace_context)
+_register_dtype_inference(_flax_dtype_inference)
 # Loss scales in `flax.serialization` checkpoints, without importing Flax.
-register_when_flax_loads()
+_register_when_flax_loads()
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     if name in _LAZY:
         import importlib
 

@@ -276,6 +276,20 @@ def test_every_public_function_and_method_is_fully_annotated():
     assert missing == []
 
 
+def test_the_public_namespace_is_all_and_the_subpackages():
+    # A subprocess: a fresh import, as a user's `dir(jmp_policy)` sees it.
+    code = (
+        "import pkgutil, jmp_policy, jmp_policy.nnx\n"
+        "subpackages = {m.name for m in pkgutil.iter_modules(jmp_policy.__path__)}\n"
+        "for module in (jmp_policy, jmp_policy.nnx):\n"
+        "    public = {n for n in dir(module) if not n.startswith('_')}\n"
+        "    print(sorted(public - set(module.__all__) - subpackages))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "[]"], done.stdout
+
+
 # --------------------------------------------------------------------------
 # The DeprecationWarning filter of pyproject.toml.
 
