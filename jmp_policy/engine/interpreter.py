@@ -426,7 +426,7 @@ def _results_dtype(eqn, reduce_dtype):
     return _F32 if asked else reduce_dtype
 
 
-def _leaves_in(eqn, invals, rules, results):
+def _leaves_in(eqn, rules, results):
     """The dtype a rewritten product's result leaves it in: the program's
     under a front end that rewrites only products (its layers' dtype fields
     say the rest); under `autocast`, `results` where the program's operands
@@ -445,7 +445,7 @@ def _matmul_dtype_product(eqn, invals, rules, m, scaling, r):
         return None  # Convolutions run in the compute dtype, also under FP8.
     lhs, rhs, *extra = invals
     results = _results_dtype(eqn, r)
-    out_dtype = _leaves_in(eqn, invals, rules, results)
+    out_dtype = _leaves_in(eqn, rules, results)
     if rules.products == "vjp":
         if m in SCALED_MATMUL_DTYPES and eqn.primitive is ji.dot_general_p:
             p = ji.dot_params(eqn)
@@ -466,7 +466,7 @@ def _product_rule(eqn, invals, rules):
         return out
     lhs, rhs, *extra = invals
     results = _results_dtype(eqn, r)
-    out_dtype = _leaves_in(eqn, invals, rules, results)
+    out_dtype = _leaves_in(eqn, rules, results)
     in_compute = all(x.dtype == c or x.dtype.itemsize < c.itemsize for x in (lhs, rhs))
     if rules.only_products and in_compute and results == out_dtype:
         # Operands in the compute dtype (or narrower) already, results in the
