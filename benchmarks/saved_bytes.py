@@ -27,6 +27,7 @@ Usage::
 
     python benchmarks/saved_bytes.py               # ~4 minutes on 2 CPU cores
     python benchmarks/saved_bytes.py --no-maxtext  # ~30 seconds
+    python benchmarks/saved_bytes.py --h200        # + H200 temporary memory (CUDA plugin)
 """
 
 from __future__ import annotations
@@ -64,22 +65,24 @@ def saved_bytes(loss: Callable[..., jax.Array], *args: Any) -> int:
     )
 
 
-def transformer(policy: str, half: Any) -> dict[str, int]:
-    """Saved bytes of the example Transformer's loss, by front end."""
+Losses = tuple[dict[str, Callable[..., jax.Array]], tuple[Any, ...]]
+
+
+def transformer(policy: str, half: Any) -> Losses:
+    """The example Transformer's loss by front end, and its arguments."""
     lm = transformer_lm
     batches, _, vocab = lm.make_data(1)
     model = lm.make_model(vocab)
     params = lm.init_params(model, "float32")
-    batch = jnp.asarray(batches[0])
     applies: dict[str, Callable[..., Any]] = {
         "own config": lm.make_model(vocab, dtype=half).apply,
         "with_policy": jmp_policy.with_policy(model.apply, policy),
         "autocast": jmp_policy.autocast(model.apply, policy),
     }
-    return {
-        name: saved_bytes(functools.partial(lm.loss_fn, apply), params, batch)
-        for name, apply in applies.items()
+    losses: dict[str, Callable[..., jax.Array]] = {
+        name: functools.partial(lm.loss_fn, apply) for name, apply in applies.items()
     }
+    return losses, (params, jnp.asarray(batches[0]))
 
 
 class EquinoxBlock(eqx.Module):
@@ -114,8 +117,8 @@ def _to(dtype: Any) -> Callable[[Any], Any]:
     return cast
 
 
-def equinox(policy: str, half: Any) -> dict[str, int]:
-    """Saved bytes of the Equinox block's loss, by front end."""
+def equinox(policy: str, half: Any) -> Losses:
+    """The Equinox block's loss by front end, and its arguments."""
     params, static = eqx.partition(EquinoxBlock(64, 4, jax.random.key(0)), eqx.is_inexact_array)
     x = jax.random.normal(jax.random.key(1), (8, 32, 64))
 
@@ -130,10 +133,35 @@ def equinox(policy: str, half: Any) -> dict[str, int]:
         return jnp.mean(jnp.square(call(params, x).astype(jnp.float32)))
 
     calls = {"own config": own, "autocast": jmp_policy.autocast(mixed, policy)}
-    return {name: saved_bytes(functools.partial(loss, c), params, x) for name, c in calls.items()}
+    return {name: functools.partial(loss, c) for name, c in calls.items()}, (params, x)
 
 
 MODELS = {"Transformer": transformer, "Equinox": equinox}
+
+
+def h200_temp_bytes(loss: Callable[..., jax.Array], *args: Any) -> int:
+    """Temporary memory of `jax.grad(loss)` compiled for an H200, without a GPU
+    (the CUDA plugin for the installed jaxlib: `gpu_compile.cuda_device`)."""
+    import gpu_compile  # Only here: it reads the GPU targets.
+
+    device = gpu_compile.cuda_device(gpu_compile.target_configs()["h200_sxm"])
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def spec(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    compiled = jax.jit(jax.grad(loss)).lower(*jax.tree.map(spec, args)).compile()
+    memory = compiled.memory_analysis()
+    assert memory is not None  # The GPU compiler reports it.
+    return int(memory.temp_size_in_bytes)
+
+
+def figures(model: str, policy: str, measure: Callable[..., int] = saved_bytes) -> dict[str, int]:
+    """`measure` of `model`'s loss under `policy`, by front end."""
+    losses, args = MODELS[model](policy, POLICIES[policy])
+    return {name: measure(loss, *args) for name, loss in losses.items()}
+
+
 ROOT = Path(__file__).resolve().parent.parent
 MAXTEXT = ROOT / ".venv" / "maxtext"  # What `./run` installs apart (its pins clash).
 
@@ -169,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-maxtext", action="store_true", help="leave out MaxText (~3 minutes on 2 cores)"
     )
+    parser.add_argument(
+        "--h200",
+        action="store_true",
+        help="also the temporary memory compiled for an H200 (needs the CUDA plugin)",
+    )
     args = parser.parse_args(argv)
     print(
         f"Bytes saved for the backward pass (arguments left out), per front end, against the "
@@ -178,19 +211,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'model, policy':<42} {'front end':<13} {'saved bytes':>10}  x own config")
     print("-" * 80)
     held = True
-    for model, measure in MODELS.items():
-        for policy, half in POLICIES.items():
-            figures = measure(policy, half)
-            held = print_rows(f"{model} {policy}", figures, policy in TARGETED) and held
+    for model in MODELS:
+        for policy in POLICIES:
+            found = figures(model, policy)
+            held = print_rows(f"{model} {policy}", found, policy in TARGETED) and held
     if args.no_maxtext:
         pass
     elif (MAXTEXT / "maxtext").is_dir():
-        for layout, figures in maxtext().items():
-            held = print_rows(f"MaxText {layout}", figures) and held
+        for layout, found in maxtext().items():
+            held = print_rows(f"MaxText {layout}", found) and held
     else:
         print("MaxText: not installed (./run puts it in .venv/maxtext)")
     verdict = "holds" if held else "FALLS SHORT"
     print(f"every front end <= {TARGET} x the own config's saved bytes, bfloat16: {verdict}")
+    if args.h200:
+        print("\nTemporary memory of the loss gradient compiled for an H200 (no GPU needed)")
+        for model in MODELS:
+            found = figures(model, TARGETED[0], h200_temp_bytes)
+            print_rows(f"{model} {TARGETED[0]}", found, targeted=False)
     return 0
 
 

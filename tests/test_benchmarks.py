@@ -318,7 +318,7 @@ def test_autocast_saves_no_more_than_the_models_own_half_config(model):
     # Activations stay in bfloat16 between products: the bytes the backward
     # pass keeps are at most the own config's (x 1.02).
     for policy in saved_bytes.TARGETED:
-        figures = saved_bytes.MODELS[model](policy, saved_bytes.POLICIES[policy])
+        figures = saved_bytes.figures(model, policy)
         own = figures.pop("own config")
         for front_end, value in figures.items():
             assert value <= saved_bytes.TARGET * own, (policy, front_end, value, own)
