@@ -16,6 +16,13 @@ for one. Three layouts over one mesh axis:
         attention output and the MLP's second layer row-parallel (an
         all-reduce of their results)
 
+and two over a 2 x n/2 mesh (data x model), the batch on data:
+
+  fsdp_tp   tp's layout on model, each sharded parameter's other dimension
+            on data (the MLP's kernels P(data, model) and P(model, data))
+  tp_rows   every kernel sharded on its (first) contracting dimension over
+            model: each product's partial results summed
+
 The collectives are read from the optimised HLO (XLA combines small ones
 into tuples; each counts once), their bytes per device by a ring model
 (all-reduce 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n
@@ -23,7 +30,9 @@ of the full one, all-to-all (n-1)/n, a permute the buffer). On XLA:CPU every
 bf16 collective is widened to f32, so only a GPU compile shows them.
 
 Targets, each printed as holds / FALLS SHORT and written to the JSON: every
-policy's bytes at most Flax's hand-written bf16 config's in each layout;
+policy's bytes at most Flax's hand-written bf16 config's in each layout
+and no "Involuntary full rematerialization" in XLA's log while it compiles
+(a whole array gathered to be resharded);
 `mixed_float8` and `mixed_mxfp8` at most one all-reduce a step beyond
 `mixed_bfloat16`'s; under FSDP, `mixed_float8`'s weights all-gathered in FP8.
 
@@ -37,10 +46,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import math
+import os
 import re
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,7 +80,7 @@ VARIANTS: dict[str, str | None] = {
     "mixed_float8": "mixed_float8",
     "mixed_mxfp8": "mixed_mxfp8",
 }
-LAYOUTS = ("fsdp", "dp", "tp")
+LAYOUTS = ("fsdp", "dp", "tp", "fsdp_tp", "tp_rows")
 BATCH, SEQ = 16, 32
 
 
@@ -120,33 +132,61 @@ def adam_step(apply: Callable) -> Callable:
     return step
 
 
-def param_spec(layout: str, path: str, shape: tuple[int, ...], n: int) -> P:
+# Each layout's mesh: one axis "x" over every device, or (data 2, model n/2).
+MESHES: dict[str, tuple[str, ...]] = {
+    "fsdp": ("x",), "dp": ("x",), "tp": ("x",), "fsdp_tp": ("data", "model"),
+    "tp_rows": ("data", "model"),
+}  # fmt: skip
+
+
+def make_mesh(layout: str, devices: Sequence[Any]) -> jax.sharding.Mesh:
+    axes = MESHES[layout]
+    shape = (len(devices),) if len(axes) == 1 else (2, len(devices) // 2)
+    return jax.sharding.Mesh(np.array(devices).reshape(shape), axes)
+
+
+def _tensor_parallel(path: str, shape: tuple[int, ...], axis: str) -> list[Any]:
+    """Megatron's layout on `axis`: column-parallel attention projections and
+    first MLP layer, row-parallel attention output and second MLP layer."""
+    spec: list[Any] = [None] * len(shape)
+    if re.search(r"(query|key|value)/(kernel|bias)$", path):  # (in, heads, head_dim): head_dim
+        spec[-1] = axis
+    elif re.search(r"attention[^/]*/out/kernel$", path):  # (heads, head_dim, out)
+        spec[1] = axis
+    elif re.search(r"Dense_0/(kernel|bias)$", path):
+        spec[-1] = axis
+    elif re.search(r"Dense_1/kernel$", path):
+        spec[0] = axis
+    return spec
+
+
+def param_spec(layout: str, path: str, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
     """Where a parameter of `shape` (its path "Block_0/Dense_0/kernel") lives."""
+    sizes = dict(mesh.shape)
     if layout == "fsdp":
-        dim = next((i for i, d in enumerate(shape) if d % n == 0), None)
+        dim = next((i for i, d in enumerate(shape) if d % sizes["x"] == 0), None)
         return P() if dim is None else P(*[None] * dim, "x")
     if layout == "tp":
-        column = re.search(r"(query|key|value)/(kernel|bias)$", path)
-        if column:  # (in, heads, head_dim) and (heads, head_dim): head_dim split.
-            return P(*[None] * (len(shape) - 1), "x")
-        if re.search(r"attention[^/]*/out/kernel$", path):  # (heads, head_dim, out)
-            return P(None, "x", None)
-        if re.search(r"Dense_0/(kernel|bias)$", path):
-            return P(*[None] * (len(shape) - 1), "x")
-        if re.search(r"Dense_1/kernel$", path):
-            return P("x", None)
+        return P(*_tensor_parallel(path, shape, "x"))
+    if layout == "fsdp_tp":  # tensor parallel on model, another dimension sharded on data
+        spec = _tensor_parallel(path, shape, "model")
+        free = [i for i, e in enumerate(spec) if e is None and shape[i] % sizes["data"] == 0]
+        if any(spec) and free:
+            spec[free[0]] = "data"
+        return P(*spec)
+    if layout == "tp_rows" and path.endswith("kernel") and len(shape) > 1:
+        return P("model")  # sharded on the (first) contracting dimension
     return P()
 
 
 def sharded_inputs(layout: str, mesh: jax.sharding.Mesh) -> tuple[Any, Any, Any]:
     """`(params, opt_state, tokens)` as `ShapeDtypeStruct`s placed for `layout`."""
-    n = mesh.devices.size
     tokens = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32)
     inputs = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
     params = jax.eval_shape(model().init, jax.random.key(0), inputs)["params"]
     specs = jax.tree_util.tree_map_with_path(
         lambda path, x: param_spec(layout, jax.tree_util.keystr(path, simple=True, separator="/"),
-                                   x.shape, n),
+                                   x.shape, mesh),
         params,
     )  # fmt: skip
 
@@ -159,8 +199,8 @@ def sharded_inputs(layout: str, mesh: jax.sharding.Mesh) -> tuple[Any, Any, Any]
         tx, placed, jax.eval_shape(tx.init, params), specs,
         transform_non_params=lambda x: placed(x, P()),
     )  # fmt: skip
-    batch = placed(tokens, P() if layout == "tp" else P("x"))
-    return jax.tree.map(placed, params, specs), opt_state, batch
+    batch_axis = {"tp": None, "fsdp": "x", "dp": "x"}.get(layout, "data")
+    return jax.tree.map(placed, params, specs), opt_state, placed(tokens, P(batch_axis))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,12 +273,31 @@ def summary(found: list[Collective]) -> dict[str, Any]:
     }
 
 
-def compile_hlo(variant: str, layout: str, devices: Sequence[Any]) -> str:
-    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+def compile_step(variant: str, layout: str, devices: Sequence[Any]) -> tuple[Any, int]:
+    """The variant's train step compiled for `layout` over `devices`, and the
+    "Involuntary full rematerialization" warnings XLA logged (on stderr, its
+    C++ log: read from the file descriptor)."""
+    mesh = make_mesh(layout, devices)
     args = sharded_inputs(layout, mesh)
-    with jax.numpy_dtype_promotion("standard"):  # optax's adam: float ** int32
-        compiled = jax.jit(train_step(variant)).trace(*args).lower().compile()
-    return compiled.as_text()
+    with tempfile.TemporaryFile() as log, _stderr_to(log):
+        with jax.numpy_dtype_promotion("standard"):  # optax's adam: float ** int32
+            compiled = jax.jit(train_step(variant)).trace(*args).lower().compile()
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+    sys.stderr.write(text)
+    return compiled, text.count("Involuntary full rematerialization")
+
+
+@contextlib.contextmanager
+def _stderr_to(file: Any) -> Any:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(file.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def verdicts(layout: str, rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool | None]]:
@@ -253,6 +312,10 @@ def verdicts(layout: str, rows: dict[str, dict[str, Any]]) -> list[tuple[str, bo
             row["megabytes_per_device"] <= hand["megabytes_per_device"] * 1.001
         )  # fmt: skip
         out.append((f"{name} sends at most the hand-written bf16 config's bytes", holds))
+    for name in VARIANTS:
+        row = rows.get(name)
+        holds = None if row is None else row["involuntary_rematerializations"] == 0
+        out.append((f"{name}: no involuntary full rematerialization", holds))
     for name in ("mixed_float8", "mixed_mxfp8"):
         row, base = rows.get(name), rows.get("mixed_bfloat16")
         holds = None if row is None or base is None else (
@@ -302,12 +365,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows: dict[str, dict[str, Any]] = {}
             for variant in args.variants:
                 try:
-                    hlo = compile_hlo(variant, layout, devices[target])
+                    compiled, remats = compile_step(variant, layout, devices[target])
                 except Exception as e:  # Reported in its row's place; the others go on.
                     failed += 1
                     log(f"{variant}: did not compile: {type(e).__name__}: {str(e)[:300]}")
                     continue
-                rows[variant] = summary(collectives(hlo, args.devices))
+                rows[variant] = summary(collectives(compiled.as_text(), args.devices))
+                rows[variant]["involuntary_rematerializations"] = remats
             log(f"{args.devices} x {kind} ({target}.txtpb), {layout}")
             log(f"{'variant':<16}{'MB/device':>10}{'count':>7}{'all-reduces':>13}"
                 f"{'scalar':>8}  collectives (kind, element types: count)")  # fmt: skip

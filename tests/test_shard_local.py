@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jmp_policy as jmp
+from helpers import import_benchmark
 from jmp_policy.engine.products import shard_local
 
 DIMS = (((2,), (0,)), ((), ()))  # (batch, seq, in) x (in, out)
@@ -196,3 +197,126 @@ def test_a_policy_runs_a_model_whose_types_hold_its_shardings(policy):
             kernel = grads["params"]["layers_0"]["kernel"]
             assert not any(jax.typeof(kernel).sharding.spec), policy
             assert bool(jnp.all(jnp.isfinite(kernel))) and float(jnp.abs(kernel).max()) > 0
+
+
+def exact_loss_and_grads(x, w, dims=DIMS):
+    def loss(x, w):
+        y = jax.lax.dot_general(x, w, dims, precision="highest")
+        return jnp.sum(jnp.tanh(y))
+
+    return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+
+# (x's shape, w's shape, x's spec, w's spec) on 4 devices: a batch of 6, a
+# contraction of 10, an output of 6 (padded shards: XLA leaves the padding
+# undefined, each device's amax and sum must not read it)
+UNEVEN = {
+    "batch": ((6, 32), (32, 8), P("x"), P()),
+    "contraction": ((8, 10), (10, 8), P(None, "x"), P("x")),
+    "output": ((8, 32), (32, 6), P(), P(None, "x")),
+}
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("layout", UNEVEN)
+def test_shards_the_mesh_does_not_divide(layout, scaling):
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    x_shape, w_shape, x_spec, w_spec = UNEVEN[layout]
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.integers(-4, 5, size=x_shape) / 8, jnp.float32)
+    w = jnp.asarray(rng.integers(-4, 5, size=w_shape) / 4, jnp.float32)
+    dims = (((1,), (0,)), ((), ()))
+
+    def product(x, w, placed=True):
+        if placed:
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, x_spec))
+            w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, w_spec))
+        return jmp.fp8_dot_general(x, w, dims, scaling=scaling)
+
+    if scaling == "nvfp4":  # e2m1 elements are not exact: no worse than on one device
+        errors = [float(jnp.abs(jax.jit(product, static_argnums=2)(x, w, placed) - x @ w).max())
+                  for placed in (True, False)]  # fmt: skip
+        assert errors[0] <= 1.2 * errors[1], errors
+    loss = lambda x, w: jnp.sum(jnp.tanh(product(x, w)))  # noqa: E731
+    sharded = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+    if scaling == "nvfp4":
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in sharded[1])
+        return
+    want = exact_loss_and_grads(x, w, dims)
+    np.testing.assert_allclose(sharded[0], want[0], rtol=1e-5)
+    for got, exact in zip(sharded[1], want[1]):
+        np.testing.assert_allclose(got, exact, atol=0.07 * float(jnp.abs(exact).max()))
+
+
+# 2 x 4 (data x model): the kernel on its contraction over model (x's
+# contraction is replicated there: a local slice); FSDP x TP (the kernel on
+# both axes)
+MESH_2D = {
+    "rows": (P("data"), P("model")),
+    "fsdp_tp": (P("data"), P("data", "model")),
+    "both_contracted": (P("data", None, "model"), P("model", "data")),
+}
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "mxfp8"])
+@pytest.mark.parametrize("layout", MESH_2D)
+def test_a_2d_mesh_sends_at_most_bf16s_bytes_and_gives_exact_gradients(layout, scaling, capfd):
+    # Each gradient in its operand's sharding; no "Involuntary full
+    # rematerialization" (XLA gathering a whole array to reshard it).
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    gpu_collectives = import_benchmark("gpu_collectives")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.integers(-4, 5, size=(16, 4, 64)) / 8, jnp.float32)
+    w = jnp.asarray(rng.integers(-4, 5, size=(64, 24)) / 4, jnp.float32)
+    xs, ws = (jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), MESH_2D[layout]))
+
+    def step(product):
+        loss = lambda x, w: jnp.sum(jnp.tanh(product(x, w)))  # noqa: E731
+        shardings = (NamedSharding(mesh, P()), (xs.sharding, ws.sharding))
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), out_shardings=shardings)
+
+    def sent(step):
+        compiled = step.lower(xs, ws).compile().as_text()
+        return gpu_collectives.summary(gpu_collectives.collectives(compiled, 8))
+
+    fp8 = step(lambda x, w: jmp.fp8_dot_general(x, w, DIMS, scaling=scaling))
+    bf16 = step(lambda x, w: jax.lax.dot_general(
+        x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), DIMS, preferred_element_type=jnp.float32
+    ))  # fmt: skip
+    capfd.readouterr()
+    fp8_sent = sent(fp8)
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
+    # On XLA:CPU both send float32 (bf16 widened, FP8 as f16): bytes compare.
+    assert fp8_sent["megabytes_per_device"] <= sent(bf16)["megabytes_per_device"], fp8_sent
+    loss, grads = fp8(xs, ws)
+    want = exact_loss_and_grads(x, w)
+    np.testing.assert_allclose(loss, want[0], rtol=1e-5)
+    for got, exact in zip(grads, want[1]):
+        np.testing.assert_allclose(got, exact, atol=0.07 * float(jnp.abs(exact).max()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp_tp", "tp_rows"])
+def test_the_benchmark_transformers_2d_layouts_under_fp8(layout):
+    # The GPU collectives benchmark's train step (Adam, the linen Transformer
+    # LM) over 2 x 4 CPU devices: each FP8 recipe sends at most
+    # mixed_bfloat16's bytes, without XLA's involuntary full rematerialization,
+    # and every parameter and Adam moment comes back in bf16's sharding.
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    gpu_collectives = import_benchmark("gpu_collectives")
+    rows = {}
+    for variant in ("mixed_bfloat16", "mixed_float8", "mixed_mxfp8"):
+        compiled, remats = gpu_collectives.compile_step(variant, layout, jax.devices()[:8])
+        sent = gpu_collectives.summary(gpu_collectives.collectives(compiled.as_text(), 8))
+        specs = [s.spec for s in jax.tree.leaves(compiled.output_shardings)]
+        rows[variant] = (sent["megabytes_per_device"], remats, specs)
+    bytes_bf16, _, specs_bf16 = rows["mixed_bfloat16"]
+    for variant, (sent, remats, specs) in rows.items():
+        assert remats == 0, (variant, remats)
+        assert sent <= bytes_bf16, (variant, sent, bytes_bf16)
+        assert specs == specs_bf16, variant

@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -269,13 +269,12 @@ class BlockScaling:
         )
 
     def gathered_copy(
-        self, x: jax.Array, dims: Any, side: str, gathered: Sequence[tuple[int, tuple[str, ...]]]
+        self, x: jax.Array, dims: Any, side: str, gather: Any
     ) -> tuple[jax.Array, ...]:
         """The copy of the whole of a sharded operand, from the shard `x`:
-        gathered, then quantized (a block may straddle shards)."""
-        for d, axes in gathered:
-            x = lax.all_gather(x, axes, axis=d, tiled=True)
-        return self.copy(x, dims, side)
+        gathered (`shard_local.Gather`), then quantized (a block may straddle
+        shards)."""
+        return self.copy(gather(x), dims, side)
 
     def product(
         self, dims: Any, precision: Any, results: np.dtype, lhs: Any, rhs: Any, out_shape: Any

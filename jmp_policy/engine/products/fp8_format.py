@@ -93,17 +93,14 @@ class TensorScaling:
         return fp8_quantize(x, scale, self.dtype, self.fp8_max), scale
 
     def gathered_copy(
-        self, x: jax.Array, dims: Dims, side: str, gathered: Sequence[tuple[int, tuple[str, ...]]]
+        self, x: jax.Array, dims: Dims, side: str, gather: Any
     ) -> tuple[jax.Array, ...]:
         """The copy of the whole of a sharded operand, from the shard `x`
-        (`gathered`: each sharded dimension and its mesh axes): the shards
-        share the tensor's scale and send their elements in FP8."""
+        (`gather`: `shard_local.Gather`): the shards share the tensor's scale
+        and send their elements in FP8."""
         del dims, side
-        scale = fp8_scale(x, self.fp8_max, mesh_axes=tuple(a for _, axes in gathered for a in axes))
-        elements = fp8_quantize(x, scale, self.dtype, self.fp8_max)
-        for d, axes in gathered:
-            elements = lax.all_gather(elements, axes, axis=d, tiled=True)
-        return elements, scale
+        scale = fp8_scale(x, self.fp8_max, mesh_axes=gather.axes)
+        return gather(fp8_quantize(x, scale, self.dtype, self.fp8_max)), scale
 
     def product(
         self, dims: Dims, precision: Any, results: np.dtype, lhs: Any, rhs: Any, out_shape: Any

@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -55,7 +56,8 @@ from jmp_policy.engine.residuals import to_be_saved_quantized
 class Quantizer(Protocol):
     """How an operand is quantized for a product, and how two copies multiply.
     `per_tensor`: a copy serves every product, and `gathered_copy` sends a
-    sharded operand's copy in its low-precision format."""
+    sharded operand's copy in its low-precision format (`gather` makes a
+    shard whole)."""
 
     arity: int  # arrays in a copy
     per_tensor: bool
@@ -63,7 +65,7 @@ class Quantizer(Protocol):
     def copy(self, x: jax.Array, dims: Dims, side: str) -> tuple[jax.Array, ...]: ...
 
     def gathered_copy(
-        self, x: jax.Array, dims: Dims, side: str, gathered: Sequence[tuple[int, tuple[str, ...]]]
+        self, x: jax.Array, dims: Dims, side: str, gather: Gather
     ) -> tuple[jax.Array, ...]: ...
 
     def product(
@@ -128,9 +130,51 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+@dataclasses.dataclass(frozen=True)
+class Gather:
+    """How a shard (one device's block, inside a partitioned function) is made
+    whole: each sharded dimension's mesh axes and whole size. A dimension the
+    axes do not divide comes in shards padded to one size; the padding is
+    cut off."""
+
+    dims: tuple[tuple[int, tuple[str, ...], int], ...]  # (dimension, mesh axes, whole size)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(a for _, axes, _ in self.dims for a in axes)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for d, axes, size in self.dims:
+            x = lax.all_gather(x, axes, axis=d, tiled=True)
+            x = lax.slice_in_dim(x, 0, size, axis=d) if x.shape[d] != size else x
+        return x
+
+
+def _sharded_dims(shape: Any) -> tuple[tuple[int, tuple[str, ...], int], ...]:
+    """An argument's sharded dimensions: (dimension, mesh axes, whole size)."""
+    spec = _spec_of(shape)
+    return tuple((d, _axes(e), shape.shape[d]) for d, e in enumerate(spec) if e is not None)
+
+
+def _without_padding(x: jax.Array, mesh: Any, sharded: Any) -> jax.Array:
+    """A shard `x` with zeros where it pads a dimension its mesh axes do not
+    divide (XLA leaves the padding undefined): an amax or a sum over it is
+    the real elements'. `x` itself where every dimension divides."""
+    for d, axes, size in sharded:
+        block = x.shape[d]
+        count = int(np.prod([mesh.shape[a] for a in axes]))
+        if block * count == size:
+            continue
+        start = lax.axis_index(axes) * block
+        index = lax.broadcasted_iota(np.int32, x.shape, d) + start
+        x = jnp.where(index < size, x, jnp.zeros((), x.dtype))
+    return x
+
+
 def _spec_of(shape: Any) -> list[Any]:
-    """The partition spec of an argument of a partitioning callback, one entry a dimension."""
-    spec = list(shape.sharding.spec)
+    """The partition spec of an argument of a partitioning callback, one entry
+    a dimension (None each where it has no sharding)."""
+    spec = list(shape.sharding.spec) if shape.sharding is not None else []
     return spec + [None] * (len(shape.shape) - len(spec))
 
 
@@ -156,22 +200,85 @@ def _product_rule(spec: Spec, mesh: Any, operand_types: Any, result_types: Any) 
     return f"{', '.join(operands)} -> {' '.join(out)}"
 
 
-def _partition_product(spec: Spec, mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
-    """The partitioned product: the shardings it takes and gives, and what
-    each device runs (`_compute` on its blocks, then the partial results
-    summed over the mesh axes that shard the contraction)."""
-    del result_shape
+# What a layout costs an array against the one it comes in (or is wanted in):
+# nothing where it is the same, or sharded on axes the array is replicated
+# over (a local slice); a gather where it is replicated where the array is
+# sharded; a move (all-to-all, which XLA's partitioner does by gathering the
+# whole array) where it puts an axis the array has elsewhere.
+_SAME, _GATHER, _MOVE = 0, 1, 2
+
+
+def _cost(given: list[Any], dim: int, entry: Any) -> int:
+    axes, held = set(_axes(entry)), set(_axes(given[dim]))
+    if axes == held:
+        return _SAME
+    elsewhere = {a for d, e in enumerate(given) if d != dim for a in _axes(e)}
+    return _MOVE if axes & elsewhere else (_GATHER if held - axes else _SAME)
+
+
+Factor = tuple[
+    int | None, int | None, int | None
+]  # (lhs dimension, rhs dimension, result position)
+
+
+def _factor_cost(
+    factor: Factor, entry: Any, lhs: list[Any], rhs: list[Any], wanted: list[Any]
+) -> int:
+    i, j, k = factor
+    total = _cost(lhs, i, entry) if i is not None else _SAME
+    total += _cost(rhs, j, entry) if j is not None else _SAME
+    if k is not None and entry is not None and _axes(entry) != _axes(wanted[k]):
+        total += _MOVE if wanted[k] is not None else _GATHER
+    return total
+
+
+def _factor_axes(spec: Spec, lhs: list[Any], rhs: list[Any], wanted: list[Any]) -> list[Any]:
+    """Each factor with its mesh axes, `(lhs dimension, rhs dimension, result
+    position, entry)`: contraction, batch, then the free dimensions (those
+    the result is wanted sharded on first). Greedily the cheapest for the
+    operands as they come and the result as it is wanted (moving the result
+    costs as much as moving an operand); a mesh axis shards one factor."""
     (lc, rc), (lb, rb) = spec.dims
-    lhs, rhs = _spec_of(arg_shapes[0]), _spec_of(arg_shapes[1])
-    for i, j in zip((*lc, *lb), (*rc, *rb)):  # rhs follows lhs where they meet
-        rhs[j] = lhs[i]
-    taken = {a for entry in lhs for a in _axes(entry)}
     lf, rf = free_dims(spec.dims, spec.ndims)
-    for d in rf:  # a mesh axis shards one factor: rhs's free dimensions give way
-        if taken & set(_axes(rhs[d])):
-            rhs[d] = None
-    summed = tuple(a for i in lc for a in _axes(lhs[i]))
-    out = P(*[lhs[d] for d in lb], *[lhs[d] for d in lf], *[rhs[d] for d in rf])
+    factors: list[Factor] = [(i, j, None) for i, j in zip(lc, rc)]
+    factors += [(i, j, k) for k, (i, j) in enumerate(zip(lb, rb))]
+    free: list[Factor] = [(d, None, len(lb) + k) for k, d in enumerate(lf)]
+    free += [(None, d, len(lb) + len(lf) + k) for k, d in enumerate(rf)]
+    factors += sorted(free, key=lambda f: f[2] is None or wanted[f[2]] is None)
+    taken: set[str] = set()
+    chosen = []
+    for i, j, k in factors:
+        # Ties: a sharded result as wanted (what it costs is at most a local
+        # slice), lhs's, rhs's, replicated.
+        candidates = [wanted[k]] if k is not None and wanted[k] is not None else []
+        candidates += [lhs[i]] if i is not None else []
+        candidates += [rhs[j]] if j is not None else []
+        free_entries = [e for e in (*candidates, None) if not taken & set(_axes(e))]
+        entry = min(free_entries, key=lambda e: _factor_cost((i, j, k), e, lhs, rhs, wanted))
+        taken |= set(_axes(entry))
+        chosen.append((i, j, k, entry))
+    return chosen
+
+
+def _partition_product(spec: Spec, mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
+    """The partitioned product: the shardings it takes and gives
+    (`_factor_axes`), and what each device runs (`_compute` on its blocks,
+    then the partial results summed over the mesh axes that shard the
+    contraction)."""
+    given = (_spec_of(arg_shapes[0]), _spec_of(arg_shapes[1]))
+    chosen = _factor_axes(spec, *given, _spec_of(result_shape))
+    lhs, rhs = [None] * spec.ndims[0], [None] * spec.ndims[1]
+    out = [None] * len(result_shape.shape)
+    summed: tuple[str, ...] = ()
+    for i, j, k, entry in chosen:
+        if i is not None:
+            lhs[i] = entry
+        if j is not None:
+            rhs[j] = entry
+        if k is None:
+            summed += _axes(entry)
+        else:
+            out[k] = entry
 
     # A copy is of the whole operand: read where each device multiplies all of
     # it, if the device holds it all or the copy is gathered in its format
@@ -187,13 +294,17 @@ def _partition_product(spec: Spec, mesh: Any, arg_shapes: Any, result_shape: Any
     kept = [r for q, c, r in zip(spec.quantizers, spec.copies, reads) if c for _ in range(q.arity)]
 
     def lower(lhs: jax.Array, rhs: jax.Array, *copies: jax.Array) -> jax.Array:
-        result = _compute(local, lhs, rhs, *(x for x, keep in zip(copies, kept) if keep))
+        lhs, rhs = (_without_padding(x, mesh, s) for x, s in zip((lhs, rhs), sharded))
+        arrays = (lhs, rhs, *(x for x, keep in zip(copies, kept) if keep))
+        result = _compute(local, *arrays)
         return lax.psum(result, summed) if summed else result
 
-    replicated = NamedSharding(mesh, P())
     operands = (NamedSharding(mesh, P(*lhs)), NamedSharding(mesh, P(*rhs)))
+    sharded = [_sharded_dims(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s))
+               for a, s in zip(arg_shapes, operands)]  # fmt: skip
+    replicated = NamedSharding(mesh, P())
     args = (*operands, *(replicated,) * (len(arg_shapes) - 2))  # the copies: whole
-    return mesh, lower, NamedSharding(mesh, out), args
+    return mesh, lower, NamedSharding(mesh, P(*out)), args
 
 
 CopyKey = tuple[Any, Dims, str]  # (quantizer, the product's dimension numbers, side)
@@ -214,16 +325,15 @@ def _partition_copy(key: CopyKey, mesh: Any, arg_shapes: Any, result_shape: Any)
     """A partitioned copy: of the whole operand, on every device (the
     quantizer's `gathered_copy`). Read where a product multiplies the whole
     operand; XLA drops it elsewhere."""
-    spec = _spec_of(arg_shapes[0])
-    gathered = [(d, _axes(e)) for d, e in enumerate(spec) if e is not None]
+    gather = Gather(_sharded_dims(arg_shapes[0]))
     quantizer, dims, side = key
 
     def lower(x: jax.Array) -> tuple[jax.Array, ...]:
-        return quantizer.gathered_copy(x, dims, side, gathered)
+        return quantizer.gathered_copy(_without_padding(x, mesh, gather.dims), dims, side, gather)
 
     replicated = NamedSharding(mesh, P())
     results = tuple(replicated for _ in jax.tree.leaves(result_shape))
-    return mesh, lower, results, (NamedSharding(mesh, P(*spec)),)
+    return mesh, lower, results, (arg_shapes[0].sharding,)
 
 
 def _partitioned(fn: Callable, static: Any, partition: Callable, rule: Callable) -> Callable:
@@ -309,7 +419,8 @@ def _explicit_mesh(arrays: Any) -> Any:
 def _in_shard_map(partition: Callable, arrays: Any, result: Any) -> Any:
     """`partition`'s function (as `custom_partitioning` would call it) under
     `jax.shard_map`, where types hold shardings and the partitioning is read
-    from them as the program is traced."""
+    from them as the program is traced. A mesh's auto axes, which types do
+    not show, hold whole blocks."""
     types = [jax.typeof(x) for x in arrays]
     mesh, lower, out, args = partition(_explicit_mesh(arrays), types, result)
     specs = jax.tree.map(lambda s: s.spec, (args, out))
@@ -363,11 +474,12 @@ def product(
     # `out_sharding`), each operand's gradient its operand's.
     shardings: tuple[Any, Any, Any] = (None, None, None)
     if out_sharding is not None or _explicit_mesh((lhs, rhs)) is not None:
-        result = jax.eval_shape(
+        # Traced, not `jax.eval_shape`: its result has no sharding on a mesh
+        # with auto axes too.
+        result = jax.make_jaxpr(
             functools.partial(lax.dot_general, dimension_numbers=dims, out_sharding=out_sharding),
-            lhs, rhs,
-        )  # fmt: skip
-        shardings = tuple(jax.typeof(x).sharding for x in (result, lhs, rhs))
+        )(lhs, rhs).out_avals[0]  # fmt: skip
+        shardings = (result.sharding, *(jax.typeof(x).sharding for x in (lhs, rhs)))
     forward = Spec(dims, ndims, recipe.forward, results, precision)
     lf, rf = free_dims(dims, ndims)
     out_ndim = len(dims[1][0]) + len(lf) + len(rf)
