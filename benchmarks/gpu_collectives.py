@@ -16,12 +16,14 @@ for one. Three layouts over one mesh axis:
         attention output and the MLP's second layer row-parallel (an
         all-reduce of their results)
 
-and two over a 2 x n/2 mesh (data x model), the batch on data:
+and three over a 2 x n/2 mesh (data x model), the batch on data:
 
   fsdp_tp   tp's layout on model, each sharded parameter's other dimension
             on data (the MLP's kernels P(data, model) and P(model, data))
   tp_rows   every kernel sharded on its (first) contracting dimension over
             model: each product's partial results summed
+  explicit_auto  tp's layout on model, an Auto axis; data an Explicit axis
+            (`jax.sharding.AxisType`: the batch's sharding in its type)
 
 The collectives are read from the optimised HLO (XLA combines small ones
 into tuples; each counts once), their bytes per device by a ring model
@@ -34,7 +36,8 @@ policy's bytes at most Flax's hand-written bf16 config's in each layout
 and no "Involuntary full rematerialization" in XLA's log while it compiles
 (a whole array gathered to be resharded);
 `mixed_float8` and `mixed_mxfp8` at most one all-reduce a step beyond
-`mixed_bfloat16`'s; under FSDP, `mixed_float8`'s weights all-gathered in FP8.
+`mixed_bfloat16`'s, and their parameters and Adam state sharded as its;
+under FSDP, `mixed_float8`'s weights all-gathered in FP8.
 
 Usage::
 
@@ -48,6 +51,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import math
 import os
 import re
@@ -80,7 +84,7 @@ VARIANTS: dict[str, str | None] = {
     "mixed_float8": "mixed_float8",
     "mixed_mxfp8": "mixed_mxfp8",
 }
-LAYOUTS = ("fsdp", "dp", "tp", "fsdp_tp", "tp_rows")
+LAYOUTS = ("fsdp", "dp", "tp", "fsdp_tp", "tp_rows", "explicit_auto")
 BATCH, SEQ = 16, 32
 
 
@@ -135,14 +139,18 @@ def adam_step(apply: Callable) -> Callable:
 # Each layout's mesh: one axis "x" over every device, or (data 2, model n/2).
 MESHES: dict[str, tuple[str, ...]] = {
     "fsdp": ("x",), "dp": ("x",), "tp": ("x",), "fsdp_tp": ("data", "model"),
-    "tp_rows": ("data", "model"),
+    "tp_rows": ("data", "model"), "explicit_auto": ("data", "model"),
 }  # fmt: skip
 
 
 def make_mesh(layout: str, devices: Sequence[Any]) -> jax.sharding.Mesh:
+    """The layout's mesh; `explicit_auto`'s data axis Explicit (types hold its
+    shardings), its model axis Auto."""
     axes = MESHES[layout]
     shape = (len(devices),) if len(axes) == 1 else (2, len(devices) // 2)
-    return jax.sharding.Mesh(np.array(devices).reshape(shape), axes)
+    types = jax.sharding.AxisType
+    axis_types = (types.Explicit, types.Auto) if layout == "explicit_auto" else None
+    return jax.sharding.Mesh(np.array(devices).reshape(shape), axes, axis_types=axis_types)
 
 
 def _tensor_parallel(path: str, shape: tuple[int, ...], axis: str) -> list[Any]:
@@ -166,8 +174,8 @@ def param_spec(layout: str, path: str, shape: tuple[int, ...], mesh: jax.shardin
     if layout == "fsdp":
         dim = next((i for i, d in enumerate(shape) if d % sizes["x"] == 0), None)
         return P() if dim is None else P(*[None] * dim, "x")
-    if layout == "tp":
-        return P(*_tensor_parallel(path, shape, "x"))
+    if layout in ("tp", "explicit_auto"):
+        return P(*_tensor_parallel(path, shape, "x" if layout == "tp" else "model"))
     if layout == "fsdp_tp":  # tensor parallel on model, another dimension sharded on data
         spec = _tensor_parallel(path, shape, "model")
         free = [i for i, e in enumerate(spec) if e is None and shape[i] % sizes["data"] == 0]
@@ -279,13 +287,19 @@ def compile_step(variant: str, layout: str, devices: Sequence[Any]) -> tuple[Any
     C++ log: read from the file descriptor)."""
     mesh = make_mesh(layout, devices)
     args = sharded_inputs(layout, mesh)
-    with tempfile.TemporaryFile() as log, _stderr_to(log):
+    with tempfile.TemporaryFile() as log, _stderr_to(log), jax.set_mesh(mesh):
         with jax.numpy_dtype_promotion("standard"):  # optax's adam: float ** int32
             compiled = jax.jit(train_step(variant)).trace(*args).lower().compile()
         log.seek(0)
         text = log.read().decode(errors="replace")
     sys.stderr.write(text)
     return compiled, text.count("Involuntary full rematerialization")
+
+
+def output_shardings(compiled: Any) -> str:
+    """A digest of the step's output shardings (parameters, Adam state, loss)."""
+    specs = [str(s.spec) for s in jax.tree.leaves(compiled.output_shardings)]
+    return hashlib.sha256(repr(specs).encode()).hexdigest()[:16]
 
 
 @contextlib.contextmanager
@@ -322,6 +336,10 @@ def verdicts(layout: str, rows: dict[str, dict[str, Any]]) -> list[tuple[str, bo
             row["all_reduces"] <= base["all_reduces"] + 1
         )  # fmt: skip
         out.append((f"{name}: at most one all-reduce beyond mixed_bfloat16's", holds))
+        holds = None if row is None or base is None else (
+            row["output_shardings"] == base["output_shardings"]
+        )  # fmt: skip
+        out.append((f"{name}: parameters and Adam state sharded as mixed_bfloat16's", holds))
     if layout == "fsdp":
         row = rows.get("mixed_float8")
         holds = None if row is None else any(
@@ -372,6 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     continue
                 rows[variant] = summary(collectives(compiled.as_text(), args.devices))
                 rows[variant]["involuntary_rematerializations"] = remats
+                rows[variant]["output_shardings"] = output_shardings(compiled)
             log(f"{args.devices} x {kind} ({target}.txtpb), {layout}")
             log(f"{'variant':<16}{'MB/device':>10}{'count':>7}{'all-reduces':>13}"
                 f"{'scalar':>8}  collectives (kind, element types: count)")  # fmt: skip

@@ -172,6 +172,10 @@ def no_training(monkeypatch):
         ["doctor", "--fp8", "os:no_such_function"],
         ["doctor", "--fp8", "no_such_module_jmp:make"],
         ["doctor", "--fp8", "transformer", "--recipes", "mixed_bfloat16"],
+        # Options of the float32 doctor alone.
+        ["doctor", "--fp8", "transformer", "--steps", "3"],
+        ["doctor", "--fp8", "transformer", "--output", "x.png"],
+        ["doctor", "--fp8", "transformer", "--no-progress"],
     ],
     ids=lambda argv: " ".join(argv) or "no-command",
 )

@@ -275,3 +275,28 @@ def test_half_operands_asking_for_a_float32_result_run_on_the_cpu(policy):
         y = jax.jit(lambda m, x: m(x))(jmp_policy.nnx.PolicyModule(mha, policy), x)
         assert y.dtype == F32
         np.testing.assert_allclose(y, mha(x), atol=3e-2)
+
+
+def test_operands_sharded_by_type_take_the_dot_as_written(monkeypatch):
+    # The form's reshapes merge and split dimensions: where an operand's type
+    # holds a sharding (a mesh with explicit axes), even without
+    # `out_sharding`, JAX refuses them, so the dot runs as written (before:
+    # "This reshape is not supported", `m=bf16,r=f32` on an attention
+    # projection of a batch sharded by type).
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+    monkeypatch.setattr(cpu_form, "_CPU_BF16_DOT_WORKAROUND", True)
+    explicit = (jax.sharding.AxisType.Explicit,)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=explicit, devices=jax.devices()[:2])
+    x = jnp.ones((4, 8, 16), jnp.float32)
+    w = jnp.ones((16, 2, 8), jnp.float32)  # (features, heads, head_dim)
+    assert cpu_form.applies(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), jnp.float32, None)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, jax.sharding.PartitionSpec("data"))
+        half = xs.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+        assert not cpu_form.applies(*half, jnp.float32, None)
+        policy = "p=f32,c=bf16,o=f32,m=bf16,r=f32"
+        project = jax.jit(jmp.autocast(lambda x, w: jnp.einsum("bsf,fhd->bshd", x, w), policy))
+        y = project(xs, w)
+    assert y.dtype == jnp.float32 and jax.typeof(y).sharding.spec[0] == "data"
+    np.testing.assert_array_equal(y, np.full((4, 8, 2, 8), 16.0))

@@ -90,6 +90,17 @@ def test_the_printed_rules_paste_into_with_policy_and_meet_the_tolerance(report)
         assert _error(apply, variables, args, recipe, rules) <= 0.08
 
 
+def test_a_recipe_no_module_can_stay_in_is_said_so():
+    # A tolerance below every module's own error: the rules would turn the
+    # recipe off everywhere; the report says to use the fallback instead.
+    apply, variables, args = sensitive_model()
+    text = str(
+        jmp.recommend_fp8_rules(apply, variables, *args, tolerance=1e-6, recipes=("mixed_nvfp4",))
+    )
+    assert "no module stays in mixed_nvfp4 within the tolerance: " in text, text
+    assert "with_policy(apply, 'mixed_bfloat16')" in text and "rules=" not in text, text
+
+
 def test_bad_input_is_an_error_naming_it():
     apply, variables, args = sensitive_model()
     with pytest.raises(ValueError, match=r"recipes: 'mixed_bfloat16' has no FP8 or FP4"):

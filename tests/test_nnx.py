@@ -341,8 +341,11 @@ def test_bad_rules_raise(rules, error, match):
 
 @pytest.mark.parametrize("module", [nn.Dense(2), lambda x: x, None])
 def test_with_policy_rejects_non_nnx_modules(module):
-    with pytest.raises(TypeError, match="expects a flax.nnx.Module"):
-        jnnx.with_policy(module, "mixed_bfloat16")
+    # One line naming the type (not the model's repr) and what to use.
+    for wrap in (jnnx.with_policy, jnnx.PolicyModule):
+        with pytest.raises(TypeError, match="expects a flax.nnx.Module, got a ") as e:
+            wrap(module, "mixed_bfloat16")
+        assert "\n" not in str(e.value) and "jmp_policy.with_policy(" in str(e.value)
 
 
 def test_bad_policy_raises():

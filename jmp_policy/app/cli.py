@@ -20,6 +20,9 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 PROG = "jmp-policy"
+# `doctor`: float32 training steps before the gradients are measured; its PNG.
+DOCTOR_STEPS = 200
+DOCTOR_OUTPUT = "jmp_policy_doctor.png"
 # `doctor --fp8`: the output's largest relative error against float32.
 FP8_TOLERANCE = 0.03
 _DEMO_EXTRA = ("sklearn", "matplotlib", "tqdm")
@@ -165,29 +168,26 @@ def _build_parser() -> _Parser:
         "whose sizes are not multiples of 8. For your own model use "
         "jmp_policy.diagnose(grad_fn, *args).",
     )
+    # Options of the float32 doctor alone: None where not given, so that --fp8 refuses them.
     p.add_argument(
         "--steps",
         type=_positive_int,
-        default=200,
-        help="float32 training steps before the gradients are measured (default 200)",
+        help=f"float32 training steps before the gradients are measured (default {DOCTOR_STEPS})",
     )
     p.add_argument(
         "--batch-size",
         type=_positive_int,
-        default=demo.DEFAULT_BATCH_SIZE,
         help=f"examples per step (default {demo.DEFAULT_BATCH_SIZE})",
     )
     p.add_argument(
         "--output",
         type=pathlib.Path,
-        default=pathlib.Path("jmp_policy_doctor.png"),
         metavar="PATH",
-        help="where the PNG goes (default jmp_policy_doctor.png)",
+        help=f"where the PNG goes (default {DOCTOR_OUTPUT})",
     )
     p.add_argument(
         "--loss-multiplier",
         type=_positive_float,
-        default=demo.DEFAULT_LOSS_MULTIPLIER,
         metavar="M",
         help="as for demo (default 2^-15)",
     )
@@ -300,11 +300,22 @@ def _run_doctor(args: argparse.Namespace) -> int:
     from jmp_policy.app import demo, doctor
     from jmp_policy.core.diagnostics import diagnose
 
+    float32_options = {
+        "--steps": args.steps, "--batch-size": args.batch_size, "--output": args.output,
+        "--loss-multiplier": args.loss_multiplier, "--no-progress": args.no_progress or None,
+    }  # fmt: skip
     if args.fp8 is not None:
+        for flag, value in float32_options.items():
+            if value is not None:
+                raise _UsageError(f"{PROG} doctor: error: {flag} is not an option of --fp8")
         return _run_fp8_doctor(args)
     for flag, value in (("--tolerance", args.tolerance), ("--recipes", args.recipes)):
         if value is not None:
             raise _UsageError(f"{PROG} doctor: error: {flag} is an option of --fp8")
+    args.steps = args.steps or DOCTOR_STEPS
+    args.batch_size = args.batch_size or demo.DEFAULT_BATCH_SIZE
+    args.output = args.output or pathlib.Path(DOCTOR_OUTPUT)
+    args.loss_multiplier = args.loss_multiplier or demo.DEFAULT_LOSS_MULTIPLIER
 
     _check_writable(args.output, "doctor")
     _check_demo_extra("doctor")

@@ -83,7 +83,13 @@ class Fp8Report:
             for path, err in sorted(r.sensitivity.items(), key=lambda kv: -kv[1]):
                 kept = "  -> fallback" if path in r.kept else ""
                 lines.append(f"  {path:<44}{err:>9.4f}{kept}")
-            lines.append(f"  with_policy(apply, {r.recipe!r}, rules={format_rules(r.rules)})")
+            if r.products_in_recipe == 0:  # The rules would turn it off everywhere.
+                lines.append(
+                    f"  no module stays in {r.recipe} within the tolerance: "
+                    f"with_policy(apply, {self.fallback!r})"
+                )
+            else:
+                lines.append(f"  with_policy(apply, {r.recipe!r}, rules={format_rules(r.rules)})")
         return "\n".join(lines)
 
 

@@ -65,6 +65,20 @@ class Block(nn.Module):
         return x + dense(width)(h)
 
 
+class Embed(nn.Embed):
+    """`nn.Embed` that also runs where types hold the tokens' sharding (a mesh
+    with explicit axes): JAX's gather cannot infer its result's sharding
+    there, so the lookup gives the tokens'."""
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        sharding = jax.typeof(inputs).sharding
+        if jax.sharding.AxisType.Explicit not in sharding.mesh.axis_types:
+            return super().__call__(inputs)
+        (embedding,) = nn.dtypes.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
+        spec = [*sharding.spec, *[None] * (inputs.ndim - len(sharding.spec))]
+        return embedding.at[inputs].get(out_sharding=jax.sharding.PartitionSpec(*spec, None))
+
+
 class TransformerLM(nn.Module):
     """Token and position embeddings, `depth` pre-LN blocks, final LayerNorm, logits."""
 
@@ -81,8 +95,8 @@ class TransformerLM(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         positions = jnp.arange(tokens.shape[-1])
-        x = nn.Embed(self.vocab_size, self.width, dtype=self.dtype, name="tok_embed")(tokens)
-        x = x + nn.Embed(self.max_len, self.width, dtype=self.dtype, name="pos_embed")(positions)
+        x = Embed(self.vocab_size, self.width, dtype=self.dtype, name="tok_embed")(tokens)
+        x = x + Embed(self.max_len, self.width, dtype=self.dtype, name="pos_embed")(positions)
         mask = nn.make_causal_mask(tokens)
         for _ in range(self.depth):
             x = Block(

@@ -215,9 +215,11 @@ def _with_policy(
     dict[PathParts, tuple[dict, bool]],
 ]:
     if not isinstance(module, nnx.Module):
+        kind = type(module)
         raise TypeError(
-            f"jmp_policy.nnx.with_policy expects a flax.nnx.Module, got {module!r}; "
-            "for a linen model.apply or a plain function use jmp_policy.with_policy."
+            f"jmp_policy.nnx.with_policy expects a flax.nnx.Module, got a "
+            f"{kind.__module__}.{kind.__qualname__}; for a linen model's apply or a "
+            "plain function, jmp_policy.with_policy(model.apply, policy)."
         )
     policy = get_policy(policy_argument(policy))
     rule_set = RuleSet(rules, nnx.Module, "blocks/*/norm")

@@ -64,16 +64,18 @@ def in_use() -> bool:
     return _CPU_BF16_DOT_WORKAROUND
 
 
-def applies(operand_dtype: Any, preferred_element_type: Any, out_sharding: Any) -> bool:
-    """Whether a dot of `operand_dtype` operands into `preferred_element_type`
-    takes the form on the CPU platform."""
-    half_to_f32 = operand_dtype in HALF_DTYPES and preferred_element_type == F32
-    return half_to_f32 and _CPU_BF16_DOT_WORKAROUND and not _explicit(out_sharding)
+def applies(lhs: Any, rhs: Any, preferred_element_type: Any, out_sharding: Any) -> bool:
+    """Whether a dot of `lhs` and `rhs` into `preferred_element_type` takes
+    the form on the CPU platform."""
+    half_to_f32 = lhs.dtype in HALF_DTYPES and preferred_element_type == F32
+    shardings = (out_sharding, jax.typeof(lhs).sharding, jax.typeof(rhs).sharding)
+    return half_to_f32 and _CPU_BF16_DOT_WORKAROUND and not any(map(_explicit, shardings))
 
 
 def _explicit(sharding: Any) -> bool:
-    """Whether `sharding` is on a mesh with explicit axes: the form's reshapes
-    would merge dimensions JAX keeps sharded by type, so the dot runs as written."""
+    """Whether `sharding` (the result's, or an operand's type's) is on a mesh
+    with explicit axes: the form's reshapes would merge dimensions JAX keeps
+    sharded by type, so the dot runs as written."""
     mesh = getattr(sharding, "mesh", None)
     return jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
 

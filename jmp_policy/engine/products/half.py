@@ -41,7 +41,7 @@ def dot_product(dimension_numbers: Any, precision: Any = None, out_sharding: Any
             # FP8 operands go into the dot as they are: an algorithm preset
             # (F16_F16_F32) would have JAX convert them to its input type.
             return dot(a, b, pet, _without_algorithm(precision))
-        if not cpu_form.applies(a.dtype, pet, out_sharding):
+        if not cpu_form.applies(a, b, pet, out_sharding):
             return dot(a, b, pet)
         cpu = functools.partial(
             cpu_form.dot,

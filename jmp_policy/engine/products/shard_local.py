@@ -12,10 +12,14 @@ block a device holds on its own (its amax, its blocks along the contraction),
 multiplies, scales its partial result back, and only then sums the partial
 results over the mesh axes the contraction is sharded on (in the results
 dtype, as a bf16 product's sum is). So no scale meets a collective, and a
-sharded program sends what its bf16 twin sends. Where nothing is partitioned
-(one device, `shard_map`, `pmap`, `vmap`) the product is the one written;
-where types hold shardings (explicit mesh axes), the same partitioning is
-read from them as the program is traced and runs under `jax.shard_map`.
+sharded program sends what its bf16 twin sends. Each product's shardings
+are the cheapest for its operands as they come and its result as it is
+wanted (`_factor_axes`); shards a mesh axis does not divide come padded,
+the padding masked out. Where nothing is partitioned (one device,
+`shard_map`, `pmap`, `vmap`) the product is the one written; on a mesh with
+explicit axes (where types hold shardings) it runs with them made auto
+(`jax.sharding.auto_axes`), so the partitioner sees every axis, explicit
+or auto.
 
 A recipe's quantizers (`fp8_format.TensorScaling`,
 `block_scaling.BlockScaling`) say how an operand is quantized for a product
@@ -172,9 +176,9 @@ def _without_padding(x: jax.Array, mesh: Any, sharded: Any) -> jax.Array:
 
 
 def _spec_of(shape: Any) -> list[Any]:
-    """The partition spec of an argument of a partitioning callback, one entry
-    a dimension (None each where it has no sharding)."""
-    spec = list(shape.sharding.spec) if shape.sharding is not None else []
+    """The partition spec of an argument of a partitioning callback (or a
+    type), one entry a dimension."""
+    spec = list(shape.sharding.spec)
     return spec + [None] * (len(shape.shape) - len(spec))
 
 
@@ -260,6 +264,15 @@ def _factor_axes(spec: Spec, lhs: list[Any], rhs: list[Any], wanted: list[Any]) 
     return chosen
 
 
+def _result_spec(chosen: list[Any], ndim: int) -> list[Any]:
+    """The result's partition spec, one entry a dimension, from `_factor_axes`."""
+    out: list[Any] = [None] * ndim
+    for _, _, k, entry in chosen:
+        if k is not None:
+            out[k] = entry
+    return out
+
+
 def _partition_product(spec: Spec, mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
     """The partitioned product: the shardings it takes and gives
     (`_factor_axes`), and what each device runs (`_compute` on its blocks,
@@ -268,17 +281,13 @@ def _partition_product(spec: Spec, mesh: Any, arg_shapes: Any, result_shape: Any
     given = (_spec_of(arg_shapes[0]), _spec_of(arg_shapes[1]))
     chosen = _factor_axes(spec, *given, _spec_of(result_shape))
     lhs, rhs = [None] * spec.ndims[0], [None] * spec.ndims[1]
-    out = [None] * len(result_shape.shape)
-    summed: tuple[str, ...] = ()
-    for i, j, k, entry in chosen:
+    for i, j, _, entry in chosen:
         if i is not None:
             lhs[i] = entry
         if j is not None:
             rhs[j] = entry
-        if k is None:
-            summed += _axes(entry)
-        else:
-            out[k] = entry
+    summed = tuple(a for _, _, k, entry in chosen if k is None for a in _axes(entry))
+    out = _result_spec(chosen, len(result_shape.shape))
 
     # A copy is of the whole operand: read where each device multiplies all of
     # it, if the device holds it all or the copy is gathered in its format
@@ -340,7 +349,21 @@ def _partitioned(fn: Callable, static: Any, partition: Callable, rule: Callable)
     """`fn(static, *arrays)` as a `custom_partitioning`, and under `vmap` (which
     it has no rule for) `fn` as written."""
     partitioned = custom_partitioning(fn, static_argnums=(0,))
-    partitioned.def_partition(partition=partition, sharding_rule=rule)
+
+    def partition_auto(static: Any, mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
+        # Each device's function traced with the mesh's explicit axes made
+        # auto, so that its types hold no sharding (XLA would find their
+        # annotations in the partitioned program, and refuse it).
+        mesh = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+        mesh, lower, out, args = partition(static, mesh, arg_shapes, result_shape)
+
+        def lower_auto(*arrays: jax.Array) -> Any:
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return lower(*arrays)
+
+        return mesh, lower_auto, out, args
+
+    partitioned.def_partition(partition=partition_auto, sharding_rule=rule)
 
     @jax.custom_batching.custom_vmap
     def call(*arrays):
@@ -372,9 +395,13 @@ def scaled_product(spec: Spec, lhs: jax.Array, rhs: jax.Array, *copies: jax.Arra
     arrays = (lhs, rhs, *copies)
     if _per_device():
         return _compute(spec, *arrays)  # Already one device's: nothing to partition.
-    if _explicit_mesh(arrays) is not None:
-        result = jax.ShapeDtypeStruct(_out_shape(spec.dims, lhs.shape, rhs.shape), spec.results)
-        return _in_shard_map(functools.partial(_partition_product, spec), arrays, result)
+    if _explicit_mesh(arrays):
+        # The result sharded as the operands' types are, where they agree
+        # (`_factor_axes`, nothing wanted); `product` lays it out after.
+        ndim = len(_out_shape(spec.dims, lhs.shape, rhs.shape))
+        types = _spec_of(jax.typeof(lhs)), _spec_of(jax.typeof(rhs))
+        out = _result_spec(_factor_axes(spec, types[0], types[1], [None] * ndim), ndim)
+        return _with_auto_axes(_product(spec), arrays, P(*out))
     return _product(spec)(*arrays)
 
 
@@ -384,9 +411,8 @@ def saved_copy(x: jax.Array, quantizer: Quantizer, dims: Dims, side: str) -> tup
     key = (quantizer, dims, side)
     if _per_device():
         return _copy(key, x)
-    if _explicit_mesh((x,)) is not None:
-        copy = jax.eval_shape(functools.partial(_copy, key), jax.ShapeDtypeStruct(x.shape, x.dtype))
-        return tuple(_in_shard_map(functools.partial(_partition_copy, key), (x,), copy))
+    if _explicit_mesh((x,)):
+        return tuple(_with_auto_axes(_copier(key), (x,), (P(),) * quantizer.arity))
     return tuple(_copier(key)(x))
 
 
@@ -409,25 +435,19 @@ def _per_device() -> bool:
     return manual or ji.context_mesh_size() == 1
 
 
-def _explicit_mesh(arrays: Any) -> Any:
-    """The mesh with explicit axes (where types hold shardings) the arrays'
-    types or the context are on; None if there is none."""
+def _explicit_mesh(arrays: Any) -> bool:
+    """Whether the arrays' types or the context are on a mesh with explicit
+    axes (where types hold shardings)."""
     meshes = (*(jax.typeof(x).sharding.mesh for x in arrays), jax.sharding.get_abstract_mesh())
-    return next((m for m in meshes if jax.sharding.AxisType.Explicit in m.axis_types), None)
+    return any(jax.sharding.AxisType.Explicit in m.axis_types for m in meshes)
 
 
-def _in_shard_map(partition: Callable, arrays: Any, result: Any) -> Any:
-    """`partition`'s function (as `custom_partitioning` would call it) under
-    `jax.shard_map`, where types hold shardings and the partitioning is read
-    from them as the program is traced. A mesh's auto axes, which types do
-    not show, hold whole blocks."""
-    types = [jax.typeof(x) for x in arrays]
-    mesh, lower, out, args = partition(_explicit_mesh(arrays), types, result)
-    specs = jax.tree.map(lambda s: s.spec, (args, out))
-    placed = [jax.sharding.reshard(x, spec) for x, spec in zip(arrays, specs[0])]
-    # Replicated where `partition` says so (gathered, or summed): not inferred.
-    mapped = jax.shard_map(lower, mesh=mesh, in_specs=specs[0], out_specs=specs[1], check_vma=False)
-    return mapped(*placed)
+def _with_auto_axes(partitioned: Callable, arrays: Any, out_specs: Any) -> Any:
+    """`partitioned(*arrays)` on a mesh with explicit axes, made auto for it
+    (`jax.sharding.auto_axes`): its `custom_partitioning` is given the
+    shardings of every axis (types show only the explicit ones), and its
+    results laid out as `out_specs` say."""
+    return jax.sharding.auto_axes(lambda *a: partitioned(*a), out_sharding=out_specs)(*arrays)
 
 
 def _straight_through(spec: Spec, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -473,7 +493,7 @@ def product(
     # `lax.dot_general`'s (which raises where it is ambiguous, or refuses
     # `out_sharding`), each operand's gradient its operand's.
     shardings: tuple[Any, Any, Any] = (None, None, None)
-    if out_sharding is not None or _explicit_mesh((lhs, rhs)) is not None:
+    if out_sharding is not None or _explicit_mesh((lhs, rhs)):
         # Traced, not `jax.eval_shape`: its result has no sharding on a mesh
         # with auto axes too.
         result = jax.make_jaxpr(
