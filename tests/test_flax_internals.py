@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import re
+import subprocess
+import sys
 
 import flax.linen as nn
 import flax.linen.module
@@ -18,11 +20,34 @@ import flax.linen.transforms
 import jax
 import jax.numpy as jnp
 
+from jmp_policy.integrations.linen import call
 from jmp_policy.integrations.linen import flax_internals as fi
 
 
+_PATCHED_WHEN = """
+import flax.linen as nn, jax.numpy as jnp, jmp_policy as jmp
+proxy = nn.transforms._HashableProxy
+patched = lambda: getattr(proxy.from_module, "_jmp_policy", False)
+jmp.autocast(lambda x: x * 2, "mixed_bfloat16")(jnp.ones(3))
+print(patched())
+model = nn.Dense(2)
+params = model.init(jax.random.key(0), jnp.ones((1, 2)))
+jmp.with_policy(model.apply, "mixed_bfloat16")(params, jnp.ones((1, 2)))
+print(patched())
+"""
+
+
+def test_nn_jit_is_keyed_only_once_a_linen_front_end_is_called():
+    # A process that only uses `autocast` keeps Flax as it was; the first
+    # linen `with_policy` call makes `nn.jit` key its traces on the call too.
+    code = "import jax\n" + _PATCHED_WHEN
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "True"], proc.stdout
+
+
 def test_nn_jit_keys_its_traces_on_hashable_proxy_from_module():
-    # Patched when the linen integration is imported.
+    call._nn_jit_keyed_on_the_call()  # As a linen front end's first call does.
     proxy = flax.linen.transforms._HashableProxy
     assert getattr(proxy.from_module, "_jmp_policy", False)
     key = proxy.from_module(nn.Dense(2))

@@ -12,6 +12,14 @@ its own bf16 config's trace (35,000 minor page faults against 300), and
 
 `call_with_room(fn, *args)` calls `fn` from a frame that opens a chunk of
 its own, with about 250 KiB left for the frames `fn` makes.
+
+Measured by `benchmarks/stack_room.py` (a one-line function called 200,000
+times from each depth of 0 to 599 frames): CPython 3.11.7, 3.12.1 and
+3.13.0 all thrash, one minor page fault a call and about 200x the median
+depth's time at the worst depth, and none through `call_with_room`. Every
+Python this package supports (3.11 and later) keeps frames so, so the room
+is taken on each; `tests/test_stack_room.py` shows the thrash and its cure
+on the running Python (and skips, saying so, on one that no longer thrashes).
 """
 
 from __future__ import annotations

@@ -103,6 +103,7 @@ def _calling(
     """The context of one call of a wrapped function: its policy, its record, the
     interceptor; FP8 products traced inside (in jitted functions too) save what
     the derivatives of `values` (the call's arguments, under an FP8 policy) need."""
+    _nn_jit_keyed_on_the_call()  # Once, at the first call that intercepts linen modules.
     token = _ACTIVE_POLICY.set(policy)
     call_token = _CALL.set(call)
     call.products.append(policy_products(policy))  # The rewrite's own, outside every scope.
@@ -176,9 +177,6 @@ def _nn_jit_keyed_on_the_call() -> None:
         return (call.trace_key, tuple(str(p) for p in module.path))
 
     flax_internals.key_nn_jit_traces_also_on(where)
-
-
-_nn_jit_keyed_on_the_call()
 
 
 def explain_state_dtypes(error: Exception, variables: Any, policy: Policy) -> None:

@@ -30,7 +30,9 @@ def debug_path(scope: Any) -> tuple[str, ...]:
 
 def key_nn_jit_traces_also_on(where: Callable[[nn.Module], Any]) -> None:
     """Makes `nn.jit` key its traces of a module's methods also on `where(module)`
-    (when that is not None). Patches Flax once, at import of the linen integration.
+    (when that is not None). Patches Flax once, at the first call of a linen
+    front end (`call._calling`): a process that only uses `autocast` is left
+    as it was.
 
     Relies on `flax.linen.transforms._HashableProxy.from_module`, the key
     `nn.jit` caches traces under: a dataclass whose field `hash_key` is its hash.
