@@ -106,3 +106,20 @@ def test_no_module_but_the_seam_reads_jax_internals():
     assert len(modules) > 20
     assert [r for p in modules for r in _reads_outside_the_seam(p)] == []
     assert _reads_outside_the_seam(PACKAGE / "core" / "jax_internals.py") != []
+
+
+def test_caller_frame_is_the_wrapped_functions_caller():
+    # What the front ends read to tell a loop's body (called from JAX's own
+    # code) from a function a user's code calls.
+    seen = []
+
+    def wrapped(carry, _):
+        frame = ji.caller_frame()
+        seen.append((frame.f_code.co_name, ji.called_by_a_library(frame)))
+        return carry, None
+
+    wrapped(0.0, None)
+    jax.lax.scan(wrapped, 0.0, jnp.zeros(2))  # the body: called from JAX's code
+    jax.lax.scan(lambda c, x: wrapped(c, x), 0.0, jnp.zeros(2))  # called by user code
+    assert seen[0] == ("test_caller_frame_is_the_wrapped_functions_caller", False)
+    assert seen[1][1] is True and seen[2] == ("<lambda>", False), seen

@@ -502,6 +502,45 @@ def test_a_carry_the_policys_fields_would_change_keeps_its_dtype():
     assert {d for c in contractions(text) for d in c.operand_dtypes} == {BF16}
 
 
+class PostNormBlock(nnx.Module):
+    """Post-LN: `norm(x + f(x))`, its result the carry."""
+
+    def __init__(self, rngs):
+        self.proj = nnx.Linear(8, 8, rngs=rngs)
+        self.norm = nnx.LayerNorm(8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.norm(x + jax.nn.gelu(self.proj(x)))
+
+
+class PostNormStack(ScanOverLayers):
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return PostNormBlock(rngs)
+
+        self.blocks = make(rngs)
+
+
+def test_a_scanned_post_norm_block_keeps_its_carry():
+    # The run with the fields as written keeps the norms as written too (it
+    # set them to the compute dtype again, and the norm made the carry bf16).
+    model, x = PostNormStack(nnx.Rngs(0)), jnp.linspace(-1, 1, 32).reshape(4, 8)
+    expected = model(x)
+    mixed = jnnx.PolicyModule(model, "mixed_bfloat16")
+    # `x + f(x)` adds its float32 input to the layer's bf16 result.
+    with jax.numpy_dtype_promotion("standard"), pytest.warns(RuntimeWarning, match="carry input"):
+        out = mixed(x)
+        grads = nnx.grad(lambda m, x: jnp.sum(m(x).astype(jnp.float32) ** 2))(mixed, x)
+        text = jax.jit(lambda x: mixed(x)).lower(x).as_text()
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, expected, atol=5e-2)
+    assert {d for c in contractions(text) for d in c.operand_dtypes} == {BF16}
+    kernel = grads.module.blocks.proj.kernel.value
+    assert kernel.dtype == F32 and bool(jnp.all(jnp.isfinite(kernel)))
+
+
 class SinusoidalEmbedding(nnx.Module):
     """Plain `jnp` (no `dtype` attribute)."""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -379,6 +380,13 @@ def primals(x: Any) -> list[Any]:
 
 # The libraries whose code calls a function it was given as a loop's body.
 _LOOP_CALLERS = frozenset({"jax", "flax", "equinox"})
+
+
+def caller_frame() -> Any:
+    """The frame that called the function calling this one: a wrapped
+    function's caller, which `called_by_a_library` reads. (CPython's
+    `sys._getframe`; the only frame a front end reads.)"""
+    return sys._getframe(2)
 
 
 def called_by_a_library(caller: Any) -> bool:

@@ -15,10 +15,10 @@ import dataclasses
 import difflib
 import functools
 import re
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from jmp_policy.core import jax_internals
 from jmp_policy.core.policy import Policy, get_policy, policy_argument
 from jmp_policy.engine.data_flow import ReturnsState, cast_results
 from jmp_policy.engine.decision import (
@@ -249,7 +249,7 @@ def autocast(
     # original program.
     @functools.wraps(fn, updated=())
     def wrapped(*args, **kwargs):
-        caller = sys._getframe(1)
+        caller = jax_internals.caller_frame()
         run, flows = flow_recording_runner(engine_rules)
         with contextlib.ExitStack() as contexts:
             for context in _TRACE_CONTEXTS:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import sys
 import types
 from collections.abc import Callable, Container, Iterable
 from typing import Any, TypeVar, cast
@@ -447,7 +446,7 @@ class PolicyModule(nnx.Module):
         return key in self.keep_inputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        caller = sys._getframe(1)  # A loop's, where this module is its body.
+        caller = jax_internals.caller_frame()  # A loop's, where this module is its body.
         try:
             out, flow = self._traced(args, kwargs, (), caller)
         except Exception as error:
@@ -504,8 +503,10 @@ class _CallPlan:
         for path, fields in self.as_written:
             for name, value in fields:
                 setattr(modules[path], name, value)
+        written = {path for path, _ in self.as_written}
         for path, norm_policy in self.norms:
-            _configure(modules[path], _norm_policy(norm_policy))
+            if path not in written:  # A norm run as written stays so (a loop's carry).
+                _configure(modules[path], _norm_policy(norm_policy))
         for path, products in self.scoped:
             _run_in_product_scope(modules[path], products)
         policy, keep = self.input_policy, self.keep

@@ -8,7 +8,6 @@ variables were given in (`apply_keeping_variables`).
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -317,7 +316,9 @@ def with_policy(
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        caller = sys._getframe(1)  # A loop calls its body from JAX's code (`Flow.called_with`).
+        caller = (
+            jax_internals.caller_frame()
+        )  # A loop calls its body from JAX's code (`Flow.called_with`).
         args, kwargs = (*bound_args, *args), {**bound_kwargs, **kwargs}
         positional = args
         # The first argument is the variables (apply) or the PRNG key (init):

@@ -9,13 +9,13 @@ was applied to each, and those the program gives a model as its variables
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 from flax import nnx
 
+from jmp_policy.core import jax_internals
 from jmp_policy.core.policy import Policy
 from jmp_policy.engine.data_flow import Flow
 from jmp_policy.engine.decision import product_rules
@@ -60,7 +60,9 @@ def _plain_function(
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        caller = sys._getframe(1)  # A loop calls its body from JAX's code (`Flow.called_with`).
+        caller = (
+            jax_internals.caller_frame()
+        )  # A loop calls its body from JAX's code (`Flow.called_with`).
         _refuse_nnx_modules(args, kwargs)
         uncast: frozenset = frozenset()
         while True:
