@@ -41,6 +41,15 @@ def _env() -> dict[str, str]:
     return env
 
 
+def test_test_files_are_by_concern_and_short():
+    # Each test file holds one concern: none over 800 lines.
+    tests = pathlib.Path(__file__).resolve().parent
+    long = {
+        p.name: n for p in tests.glob("test_*.py") if (n := len(p.read_text().splitlines())) > 800
+    }
+    assert not long, long
+
+
 def test_core_step_imports_no_optional_package():
     code = textwrap.dedent(
         f"""

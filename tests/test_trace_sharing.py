@@ -3,7 +3,7 @@
 A deep model makes the same half products and the same norms in every layer.
 jmp_policy shares their traces: a product with float32 accumulation is one
 function per signature (`matmul.accumulating_dot`), the rematerialised norms
-of one program one checkpointed trace (`tests/test_linen.py`), NNX
+of one program one checkpointed trace (`tests/test_linen_norms.py`), NNX
 attention one rewrite under a matmul dtype, and the `m=bf16` rewrite leaves
 nested programs without a product as traced. The
 lowering-time figures are `benchmarks/lowering.py`'s; here, that sharing

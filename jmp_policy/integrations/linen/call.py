@@ -167,7 +167,8 @@ def _nn_jit_keyed_on_the_call() -> None:
     policy (or under another, or for a layer another rule names) would serve
     this call, silently, and its modules would not be seen by the rules. So
     under a policy the key also holds the call and the module's path. Flax's
-    key is private (`flax_internals`): if it moves, `test_linen.py`'s nn.jit tests say so.
+    key is private (`flax_internals`): if it moves, `test_flax_internals.py`
+    and `test_linen_architectures.py`'s nn.jit test say so.
     """
 
     def where(module: nn.Module) -> Any:

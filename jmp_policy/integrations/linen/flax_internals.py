@@ -36,7 +36,8 @@ def key_nn_jit_traces_also_on(where: Callable[[nn.Module], Any]) -> None:
 
     Relies on `flax.linen.transforms._HashableProxy.from_module`, the key
     `nn.jit` caches traces under: a dataclass whose field `hash_key` is its hash.
-    Where it is gone, nothing is patched (`test_linen.py`'s nn.jit tests say so).
+    Where it is gone, nothing is patched (`test_flax_internals.py` and
+    `test_linen_architectures.py`'s nn.jit test say so).
     """
     proxy = getattr(flax.linen.transforms, "_HashableProxy", None)
     from_module = getattr(proxy, "from_module", None)
