@@ -17,7 +17,7 @@ import pathlib
 import reprlib
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 PROG = "jmp-policy"
 # `doctor`: float32 training steps before the gradients are measured; its PNG.
@@ -104,14 +104,18 @@ def _check_demo_extra(command: str) -> None:
 
 
 def _build_parser() -> _Parser:
-    from jmp_policy.app import demo
-    from jmp_policy.app.fp8_doctor import RECIPES as FP8_RECIPES
-
     parser = _Parser(
         prog=PROG,
         description="Mixed precision for JAX, Flax and optax: a demo and diagnostics.",
     )
     sub = parser.add_subparsers(dest="command", metavar="{demo,doctor}")
+    _add_demo(sub)
+    _add_doctor(sub)
+    return parser
+
+
+def _add_demo(sub: Any) -> None:
+    from jmp_policy.app import demo
 
     p = sub.add_parser(
         "demo",
@@ -157,6 +161,11 @@ def _build_parser() -> _Parser:
     )
     p.add_argument("--seed", type=_seed, default=0, help="data split, initialisation, batches")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _add_doctor(sub: Any) -> None:
+    from jmp_policy.app import demo
+    from jmp_policy.app.fp8_doctor import RECIPES as FP8_RECIPES
 
     p = sub.add_parser(
         "doctor",
@@ -213,7 +222,6 @@ def _build_parser() -> _Parser:
         default=None,
         help=f"with --fp8: the policies to try, comma-separated (default {','.join(FP8_RECIPES)})",
     )
-    return parser
 
 
 def _run_demo(args: argparse.Namespace) -> int:

@@ -253,20 +253,17 @@ def train(
         mininterval=0.5,
         dynamic_ncols=True,
     )
-    skipped_before = 0
     for i, idx in enumerate(bar):
         x, y = data.x_train[idx], data.y_train[idx]
         start = time.perf_counter()
+        skipped_before = int(opt_state.total_notfinite)
         params, opt_state, loss, zeros = jax.block_until_ready(step(params, opt_state, x, y))
         times.append(time.perf_counter() - start)
-        ls = get_loss_scale(opt_state)
         losses.append(float(loss))
         zero_grads.append(float(zeros))
-        scales.append(float(ls.loss_scale))
-        skipped_now = int(opt_state.total_notfinite)
-        if skipped_now > skipped_before:
+        scales.append(float(get_loss_scale(opt_state).loss_scale))
+        if int(opt_state.total_notfinite) > skipped_before:
             skipped_at.append(i)
-        skipped_before = skipped_now
         if i % 25 == 0 or i == steps - 1:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     bar.close()
@@ -542,26 +539,13 @@ def run_demo(
         file=out,
         flush=True,
     )
-    results = []
-    for config in CONFIGS:
-        results.append(
-            train(
-                config,
-                data,
-                initial,
-                steps=steps,
-                batch_size=batch_size,
-                loss_multiplier=loss_multiplier,
-                seed=seed,
-                progress=progress,
-                model=model,
-            )
-        )
-    print("", file=out)
-    print(format_table(results), file=out)
-    print("", file=out)
-    for line in _verdict(results):
-        print(line, file=out)
+    run = functools.partial(
+        train, data=data, initial_params=initial, steps=steps, batch_size=batch_size,
+        loss_multiplier=loss_multiplier, seed=seed, progress=progress, model=model,
+    )  # fmt: skip
+    results = [run(config) for config in CONFIGS]
+    print("\n" + format_table(results) + "\n", file=out)
+    print("\n".join(_verdict(results)), file=out)
     print(_gradient_finding(model, data, results[0], loss_multiplier, batch_size), file=out)
     if jax.default_backend() == "cpu":
         print(

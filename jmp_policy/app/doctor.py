@@ -31,6 +31,12 @@ def _log2(x: float) -> str:
 
 def report_text(r: GradientReport) -> str:
     """The report as a table with its recommendation, for a terminal."""
+    return "\n".join([*_table(r), "", *_float16_and_bfloat16(r), _recommendation(r),
+                      *_matmul_lines(r)])  # fmt: skip
+
+
+def _table(r: GradientReport) -> list[str]:
+    """Each gradient array's shares of lost, subnormal and overflowing values."""
     header = (
         "path",
         "shape",
@@ -60,23 +66,28 @@ def report_text(r: GradientReport) -> str:
     ]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
 
-    def line(row):
+    def line(row: tuple[str, ...]) -> str:
         return "  ".join(
             c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
         )
 
+    rule = "-" * len(line(header))
+    return [
+        f"Gradient report: {len(r.arrays)} arrays, {r.total.size:,} values. Shares of all "
+        "values: below 2^-24 a value is lost in float16 (flushed to zero), below 2^-14 it "
+        "is subnormal (fewer bits), above 65504 it overflows.",
+        line(header),
+        rule,
+        *(line(row) for row in rows[:-1]),
+        rule,
+        line(rows[-1]),
+    ]
+
+
+def _float16_and_bfloat16(r: GradientReport) -> list[str]:
     t = r.total
     nonzero = max(1.0 - t.zero - t.nonfinite, 1e-12)
-    out = [
-        f"Gradient report: {len(r.arrays)} arrays, {t.size:,} values. Shares of all values: "
-        "below 2^-24 a value is lost in float16 (flushed to zero), below 2^-14 it is "
-        "subnormal (fewer bits), above 65504 it overflows.",
-        line(header),
-        "-" * len(line(header)),
-        *(line(row) for row in rows[:-1]),
-        "-" * len(line(header)),
-        line(rows[-1]),
-        "",
+    return [
         f"float16 without loss scaling: {_pct(t.f16_underflow)} of the values "
         f"({_pct(t.f16_underflow / nonzero)} of the nonzero ones) underflow, "
         f"{_pct(t.f16_overflow)} overflow.",
@@ -85,38 +96,44 @@ def report_text(r: GradientReport) -> str:
         f"{_pct(r.f16_underflow_scaled)} underflow, {_pct(r.f16_overflow_scaled)} overflow.",
         f"bfloat16: {_pct(t.bf16_underflow)} underflow, {_pct(t.bf16_overflow)} overflow.",
     ]
-    if r.recommended_loss_scale is None:
-        rec = f"Recommended: {r.recommended_policy!r}, NoOpLossScale(): {r.reason}."
-        if r.recommended_policy == "mixed_bfloat16":
-            rec += (
-                f" Where bfloat16 is not fast (GPUs before Ampere): 'mixed_float16' with "
-                f"DynamicLossScale(2.0**{math.log2(r.float16_loss_scale):g})."
-            )
-    else:
-        rec = (
+
+
+def _recommendation(r: GradientReport) -> str:
+    if r.recommended_loss_scale is not None:
+        return (
             f"Recommended: {r.recommended_policy!r} with "
             f"DynamicLossScale(2.0**{math.log2(r.recommended_loss_scale):g}): {r.reason}."
         )
-    out.append(rec)
-    if r.matmuls:
-        bad = r.misaligned_matmuls
-        out.append("")
-        if not bad:
-            out.append(f"Matrix products: all {len(r.matmuls)} have M, N, K multiples of 8.")
-        else:
-            out.append(
-                f"Matrix products with a size not a multiple of 8 ({len(bad)} of "
-                f"{len(r.matmuls)}; Tensor Cores need multiples of 8 for half inputs, "
-                "pad the layer width or batch size):"
-            )
-            for m in bad:
-                sizes = ", ".join(f"{d}={v}" for d, v in m.misaligned.items())
-                times = f" (x{m.count})" if m.count > 1 else ""
-                out.append(
-                    f"  {m.name}: {m.lhs_shape} x {m.rhs_shape}, M={m.m} N={m.n} K={m.k}; "
-                    f"not a multiple of 8: {sizes}{times}"
-                )
-    return "\n".join(out)
+    rec = f"Recommended: {r.recommended_policy!r}, NoOpLossScale(): {r.reason}."
+    if r.recommended_policy == "mixed_bfloat16":
+        rec += (
+            f" Where bfloat16 is not fast (GPUs before Ampere): 'mixed_float16' with "
+            f"DynamicLossScale(2.0**{math.log2(r.float16_loss_scale):g})."
+        )
+    return rec
+
+
+def _matmul_lines(r: GradientReport) -> list[str]:
+    """The matrix products whose sizes Tensor Cores would need padded, if any."""
+    if not r.matmuls:
+        return []
+    bad = r.misaligned_matmuls
+    if not bad:
+        return ["", f"Matrix products: all {len(r.matmuls)} have M, N, K multiples of 8."]
+    out = [
+        "",
+        f"Matrix products with a size not a multiple of 8 ({len(bad)} of "
+        f"{len(r.matmuls)}; Tensor Cores need multiples of 8 for half inputs, "
+        "pad the layer width or batch size):",
+    ]
+    for m in bad:
+        sizes = ", ".join(f"{d}={v}" for d, v in m.misaligned.items())
+        times = f" (x{m.count})" if m.count > 1 else ""
+        out.append(
+            f"  {m.name}: {m.lhs_shape} x {m.rhs_shape}, M={m.m} N={m.n} K={m.k}; "
+            f"not a multiple of 8: {sizes}{times}"
+        )
+    return out
 
 
 def plot_histogram(

@@ -375,6 +375,11 @@ class DynamicLossScale(LossScale):
         set_("min_loss_scale", lo)
         # The scale is float32: a larger cap is float32's largest number.
         set_("max_loss_scale", min(hi, _F32_MAX))
+        self._set_hysteresis_and_overflows()
+        self._check_scale_in_bounds(given_scale, lo, hi)
+
+    def _set_hysteresis_and_overflows(self) -> None:
+        set_ = functools.partial(object.__setattr__, self)
         hysteresis = self.hysteresis
         if not isinstance(hysteresis, numbers.Integral) or isinstance(hysteresis, (bool, np.bool_)):
             raise TypeError(f"hysteresis must be an integer >= 1, got {hysteresis!r}.")
@@ -403,6 +408,9 @@ class DynamicLossScale(LossScale):
                     f"overflows must be in [0, hysteresis) = [0, {hysteresis}), "
                     f"got {given_overflows!r}."
                 )
+
+    def _check_scale_in_bounds(self, given_scale: Any, lo: float, hi: float) -> None:
+        """A concrete `loss_scale` given is within `[lo, hi]`, as `adjust` keeps it."""
         if _is_concrete_scalar(given_scale):
             scale = float(given_scale)
             # `adjust` never takes the scale below float32's smallest normal

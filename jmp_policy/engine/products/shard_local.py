@@ -489,29 +489,17 @@ def product(
     result laid out as `out_sharding` says, as in `lax.dot_general`."""
     ndims = (lhs.ndim, rhs.ndim)
     lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
-    # Where types hold shardings (or one is asked for): the result's is
-    # `lax.dot_general`'s (which raises where it is ambiguous, or refuses
-    # `out_sharding`), each operand's gradient its operand's.
-    shardings: tuple[Any, Any, Any] = (None, None, None)
-    if out_sharding is not None or _explicit_mesh((lhs, rhs)):
-        # Traced, not `jax.eval_shape`: its result has no sharding on a mesh
-        # with auto axes too.
-        result = jax.make_jaxpr(
-            functools.partial(lax.dot_general, dimension_numbers=dims, out_sharding=out_sharding),
-        )(lhs, rhs).out_avals[0]  # fmt: skip
-        shardings = (result.sharding, *(jax.typeof(x).sharding for x in (lhs, rhs)))
+    shardings = _typed_shardings(lhs, rhs, dims, out_sharding)
     forward = Spec(dims, ndims, recipe.forward, results, precision)
-    lf, rf = free_dims(dims, ndims)
-    out_ndim = len(dims[1][0]) + len(lf) + len(rf)
+    out_ndim = len(_out_shape(dims, lhs.shape, rhs.shape))
     transposed = {side: transposed_dims(dims, ndims, side) for side in ("lhs", "rhs")}
     quantizers = {"lhs": recipe.d_lhs, "rhs": recipe.d_rhs}
 
     def backward(side: str, copied: bool = False) -> Spec:
         """`d side`'s product: of the output gradient and the other operand."""
-        other_ndim = ndims[1] if side == "lhs" else ndims[0]
-        t_dims = transposed[side][0]
+        ranks = (out_ndim, ndims[1] if side == "lhs" else ndims[0])
         return Spec(
-            t_dims, (out_ndim, other_ndim), quantizers[side], results, precision, (False, copied)
+            transposed[side][0], ranks, quantizers[side], results, precision, (False, copied)
         )
 
     def copy_for(side: str, other: jax.Array) -> tuple[jax.Array, ...]:
@@ -558,6 +546,20 @@ def product(
     # Traced once per signature: every product of it shares this backward.
     f.defvjp(fwd, decided(ji.inlined_jit(bwd)))
     return f(lhs, rhs)
+
+
+def _typed_shardings(lhs: jax.Array, rhs: jax.Array, dims: Dims, out_sharding: Any) -> tuple:
+    """Where types hold shardings (or one is asked for): the result's,
+    `lax.dot_general`'s (which raises where it is ambiguous, or refuses
+    `out_sharding`), and each operand's, its gradient's. Else Nones."""
+    if out_sharding is None and not _explicit_mesh((lhs, rhs)):
+        return (None, None, None)
+    # Traced, not `jax.eval_shape`: its result has no sharding on a mesh
+    # with auto axes too.
+    result = jax.make_jaxpr(
+        functools.partial(lax.dot_general, dimension_numbers=dims, out_sharding=out_sharding),
+    )(lhs, rhs).out_avals[0]  # fmt: skip
+    return (result.sharding, jax.typeof(lhs).sharding, jax.typeof(rhs).sharding)
 
 
 def transposed_dims(dims: Dims, ndims: tuple[int, int], side: str) -> tuple[Dims, tuple[int, ...]]:
