@@ -1,10 +1,6 @@
 """`with_policy` on the linen architectures people write (issue 10 and after):
 one section per finding, each with its reproduction.
-
-Everything runs under strict dtype promotion (see `conftest.py`), so a silent
-float32 upcast inside a model is an error rather than a slow matmul. Dtype
-checks use `jax.eval_shape` and `.lower()` where they can: nothing is compiled
-that a shape or a program text can answer.
+Strict dtype promotion, as in `test_linen.py`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """`with_policy` on linen models: half-precision norms are rematerialised,
 recomputed rather than saved for the backward pass, without changing what
 they compute.
-
-Everything runs under strict dtype promotion (see `conftest.py`), so a silent
-float32 upcast inside a model is an error rather than a slow matmul. Dtype
-checks use `jax.eval_shape` and `.lower()` where they can: nothing is compiled
-that a shape or a program text can answer.
+Strict dtype promotion, as in `test_linen.py`.
 """
 
 from __future__ import annotations

@@ -154,10 +154,9 @@ class Gather:
         return x
 
 
-def _sharded_dims(shape: Any) -> tuple[tuple[int, tuple[str, ...], int], ...]:
-    """An argument's sharded dimensions: (dimension, mesh axes, whole size)."""
-    spec = _spec_of(shape)
-    return tuple((d, _axes(e), shape.shape[d]) for d, e in enumerate(spec) if e is not None)
+def _sharded_dims(spec: list[Any], shape: tuple[int, ...]) -> tuple:
+    """An array's sharded dimensions under `spec`: (dimension, mesh axes, whole size)."""
+    return tuple((d, _axes(e), shape[d]) for d, e in enumerate(spec) if e is not None)
 
 
 def _without_padding(x: jax.Array, mesh: Any, sharded: Any) -> jax.Array:
@@ -220,9 +219,8 @@ def _cost(given: list[Any], dim: int, entry: Any) -> int:
     return _MOVE if axes & elsewhere else (_GATHER if held - axes else _SAME)
 
 
-Factor = tuple[
-    int | None, int | None, int | None
-]  # (lhs dimension, rhs dimension, result position)
+# A factor of a product: (lhs dimension, rhs dimension, result position).
+Factor = tuple[int | None, int | None, int | None]
 
 
 def _factor_cost(
@@ -302,6 +300,8 @@ def _partition_product(spec: Spec, mesh: Any, arg_shapes: Any, result_shape: Any
     local = dataclasses.replace(spec, copies=reads)
     kept = [r for q, c, r in zip(spec.quantizers, spec.copies, reads) if c for _ in range(q.arity)]
 
+    sharded = [_sharded_dims(lhs, arg_shapes[0].shape), _sharded_dims(rhs, arg_shapes[1].shape)]
+
     def lower(lhs: jax.Array, rhs: jax.Array, *copies: jax.Array) -> jax.Array:
         lhs, rhs = (_without_padding(x, mesh, s) for x, s in zip((lhs, rhs), sharded))
         arrays = (lhs, rhs, *(x for x, keep in zip(copies, kept) if keep))
@@ -309,8 +309,6 @@ def _partition_product(spec: Spec, mesh: Any, arg_shapes: Any, result_shape: Any
         return lax.psum(result, summed) if summed else result
 
     operands = (NamedSharding(mesh, P(*lhs)), NamedSharding(mesh, P(*rhs)))
-    sharded = [_sharded_dims(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s))
-               for a, s in zip(arg_shapes, operands)]  # fmt: skip
     replicated = NamedSharding(mesh, P())
     args = (*operands, *(replicated,) * (len(arg_shapes) - 2))  # the copies: whole
     return mesh, lower, NamedSharding(mesh, P(*out)), args
@@ -334,7 +332,7 @@ def _partition_copy(key: CopyKey, mesh: Any, arg_shapes: Any, result_shape: Any)
     """A partitioned copy: of the whole operand, on every device (the
     quantizer's `gathered_copy`). Read where a product multiplies the whole
     operand; XLA drops it elsewhere."""
-    gather = Gather(_sharded_dims(arg_shapes[0]))
+    gather = Gather(_sharded_dims(_spec_of(arg_shapes[0]), arg_shapes[0].shape))
     quantizer, dims, side = key
 
     def lower(x: jax.Array) -> tuple[jax.Array, ...]:
