@@ -101,7 +101,7 @@ def _flax_dtype_inference(origin: str) -> bool:
     # A Flax layer with `dtype=None` widens a half input against its kernel.
     if "flax" not in _sys.modules:
         return False
-    from jmp_policy.integrations.casting import infers_a_layers_dtype
+    from jmp_policy.integrations.flax_internals import infers_a_layers_dtype
 
     return infers_a_layers_dtype(origin)
 

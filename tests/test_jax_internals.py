@@ -89,8 +89,8 @@ def test_inlined_jit_leaves_no_call_and_is_traced_once():
 
 
 def _reads_outside_the_seam(path: pathlib.Path) -> list[str]:
-    """Reads of an equation's `params` and `_dot_general=` calls in `path` (private
-    imports of JAX: tests/test_packaging.py)."""
+    """Reads of an equation's `params` or name stack, of frames, and `_dot_general=`
+    calls in `path` (private imports of JAX: tests/test_packaging.py)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Attribute) and node.attr == "params":
@@ -98,6 +98,9 @@ def _reads_outside_the_seam(path: pathlib.Path) -> list[str]:
                 found.append(f"{path.name}:{node.lineno}: eqn.params")
         if isinstance(node, ast.keyword) and node.arg == "_dot_general":
             found.append(f"{path.name}:{node.lineno}: _dot_general=")
+        if isinstance(node, ast.Attribute) and node.attr in ("name_stack", "_getframe"):
+            if not (isinstance(node.value, ast.Name) and node.value.id == "ji"):
+                found.append(f"{path.name}:{node.lineno}: {node.attr}")
     return found
 
 
@@ -123,3 +126,25 @@ def test_caller_frame_is_the_wrapped_functions_caller():
     jax.lax.scan(lambda c, x: wrapped(c, x), 0.0, jnp.zeros(2))  # called by user code
     assert seen[0] == ("test_caller_frame_is_the_wrapped_functions_caller", False)
     assert seen[1][1] is True and seen[2] == ("<lambda>", False), seen
+
+
+def test_a_marked_scope_reaches_every_equation_traced_inside_it():
+    # How a module's policy reaches its products: the marks are read back
+    # from the name stacks of the equations, inside jit too; a nested
+    # program (remat, scan) is traced with a name stack of its own, which
+    # the interpreter prefixes with the outer one.
+    tag = "jmp_policy_probe"
+
+    def f(x):
+        with ji.marked_scope(tag, c="bfloat16", m="none"):
+            y = jax.jit(jnp.sin)(x)
+            y = jax.checkpoint(jnp.cos)(y)
+        return y * 2
+
+    eqns = jax.make_jaxpr(f)(1.0).jaxpr.eqns
+    marks = [ji.marks_in(ji.name_stack(e), tag) for e in eqns]
+    assert marks == [({"c": "bfloat16", "m": "none"},)] * 2 + [()], marks
+    with ji.marked_scope(tag):
+        assert ji.marks_in(ji.current_name_stack(), tag) == ({},)
+    assert ji.marks_in(f"{tag}_other/{tag}x", tag) == ()
+    assert ji.scan_result_parts((1, 2)) == (1, 2) and ji.scan_result_parts((1, 2, 3)) is None

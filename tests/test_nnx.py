@@ -761,3 +761,15 @@ def test_grad_over_a_merge_inside_the_loss_with_an_rngs_stream(front_end):
         leaves = jax.tree.leaves(grads)
         assert leaves and all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
         assert any(bool(jnp.any(g != 0)) for g in leaves)
+
+
+def test_a_scoped_module_keeps_its_class_in_the_callers_model():
+    # A rule giving a layer other products than its parent's scopes its
+    # methods on the copy the traced call merges, not on the caller's modules.
+    model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
+    mixed = jnnx.PolicyModule(model, "mixed_bfloat16", rules={"layers/1": "m=bf16,r=f32"})
+    x = jnp.ones((2, 3))
+    eager, jitted = mixed(x), nnx.jit(lambda m, x: m(x))(mixed, x)
+    assert eager.dtype == jitted.dtype == jnp.float32
+    assert [type(m) for m in mixed.module.layers] == [nnx.Linear, nnx.Linear]
+    assert [type(m) for m in model.layers] == [nnx.Linear, nnx.Linear]

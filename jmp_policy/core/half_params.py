@@ -296,20 +296,7 @@ def half_param_updates(
     >>> params["w"]  # float32 gives 1.1; plain bfloat16 stays at 1
     Array([1.10156, 1.10156], dtype=bfloat16)
     """
-    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
-        hint = " (call it: e.g. optax.adam(1e-3))" if callable(inner) else ""
-        raise TypeError(
-            f"inner must be an optax GradientTransformation such as optax.adam(1e-3), "
-            f"got {inner!r}{hint}."
-        )
-    if method not in _METHODS:
-        raise ValueError(f"method must be 'kahan' or 'stochastic', got {method!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"seed must be a non-negative integer, got {seed!r}.")
-    if not 0 <= seed < 2**63:  # What `jax.random.key` takes.
-        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}.")
-    seed = operator.index(seed)
-    inner = optax.with_extra_args_support(inner)
+    inner, seed = _checked(inner, method, seed)
 
     def init(params):
         if method == "kahan":
@@ -343,20 +330,48 @@ def half_param_updates(
         )
         inner_state = _store_like(inner_state, state.inner_state, state_key)
 
-        leaves, treedef = jax.tree.flatten(params)
-        update_leaves = _flatten_up_to(treedef, new_updates)
-        if method == "kahan":
-            comp_leaves = _flatten_up_to(treedef, state.compensation)
-            pairs = [_kahan_leaf(*leaf) for leaf in zip(comp_leaves, leaves, update_leaves)]
-            new_updates = jax.tree.unflatten(treedef, [u for u, _ in pairs])
-            compensation = jax.tree.unflatten(treedef, [c for _, c in pairs])
-        else:
-            draws = iter(_uniform_like(params_key, [p for p in leaves if _is_half(p)]))
-            out = [
-                _stochastic_leaf(p, u, next(draws)) if _is_half(p) else u
-                for p, u in zip(leaves, update_leaves)
-            ]
-            new_updates, compensation = jax.tree.unflatten(treedef, out), state.compensation
+        new_updates, compensation = _landing(
+            method, params, new_updates, state.compensation, params_key
+        )
         return new_updates, HalfParamState(inner_state, compensation, jax.random.key_data(key))
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _checked(
+    inner: Any, method: str, seed: Any
+) -> tuple[optax.GradientTransformationExtraArgs, int]:
+    """`half_param_updates`' arguments checked: `inner` with extra args, `seed` an int."""
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        hint = " (call it: e.g. optax.adam(1e-3))" if callable(inner) else ""
+        raise TypeError(
+            f"inner must be an optax GradientTransformation such as optax.adam(1e-3), "
+            f"got {inner!r}{hint}."
+        )
+    if method not in _METHODS:
+        raise ValueError(f"method must be 'kahan' or 'stochastic', got {method!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be a non-negative integer, got {seed!r}.")
+    if not 0 <= seed < 2**63:  # What `jax.random.key` takes.
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}.")
+    return optax.with_extra_args_support(inner), operator.index(seed)
+
+
+def _landing(method: str, params: Any, updates: Any, compensation: Any, key: jax.Array) -> tuple:
+    """The half updates that land each half parameter on its rounded float32
+    sum, and the new compensation (kept as it is for "stochastic")."""
+    leaves, treedef = jax.tree.flatten(params)
+    update_leaves = _flatten_up_to(treedef, updates)
+    if method == "kahan":
+        comp_leaves = _flatten_up_to(treedef, compensation)
+        pairs = [_kahan_leaf(*leaf) for leaf in zip(comp_leaves, leaves, update_leaves)]
+        return (
+            jax.tree.unflatten(treedef, [u for u, _ in pairs]),
+            jax.tree.unflatten(treedef, [c for _, c in pairs]),
+        )
+    draws = iter(_uniform_like(key, [p for p in leaves if _is_half(p)]))
+    out = [
+        _stochastic_leaf(p, u, next(draws)) if _is_half(p) else u
+        for p, u in zip(leaves, update_leaves)
+    ]
+    return jax.tree.unflatten(treedef, out), compensation

@@ -16,9 +16,11 @@ against jax and jaxlib 0.10.2 and 0.12.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import inspect
+import re
 import sys
 import warnings
 import weakref
@@ -582,6 +584,40 @@ def name_stack(eqn: JaxprEqn) -> str:
 def current_name_stack() -> str:
     """The name stack of the code being traced now (relative to the innermost trace)."""
     return str(jex.source_info_util.current_name_stack())
+
+
+# A `jax.named_scope` whose name carries fields ("tag[k=v;...]") to every
+# equation traced inside it, read back from their name stacks: JAX keeps no
+# other per-equation record across `jit`, `remat` and lifted transforms. A
+# user's own scope of the same name would be read as one (the tags are
+# prefixed `jmp_policy_`).
+
+
+def marked_scope(tag: str, **fields: str) -> contextlib.AbstractContextManager:
+    """A named scope marking the equations traced inside it with `tag` and `fields`."""
+    inner = ";".join(f"{k}={v}" for k, v in fields.items())
+    return jax.named_scope(f"{tag}[{inner}]" if fields else tag)
+
+
+@functools.cache
+def _mark_pattern(tag: str) -> re.Pattern:
+    return re.compile(re.escape(tag) + r"(?:\[([\w=;]*)\])?(?![\w\[])")
+
+
+def marks_in(stack: str, tag: str) -> tuple[dict[str, str], ...]:
+    """The fields of each `marked_scope(tag, ...)` in the name stack `stack`, outermost first."""
+    if tag not in stack:
+        return ()
+    return tuple(
+        dict(field.split("=", 1) for field in inner.split(";") if field)
+        for inner in _mark_pattern(tag).findall(stack)
+    )
+
+
+def scan_result_parts(out: Any) -> tuple[Any, Any] | None:
+    """`(carry, ys)` of a scan body's result, as `lax.scan` requires it; None
+    where it is not a pair (JAX's own check then says what is wrong)."""
+    return tuple(out) if type(out) in (tuple, list) and len(out) == 2 else None
 
 
 def _read(env: dict[Any, Any], v: Any) -> Any:

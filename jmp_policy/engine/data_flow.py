@@ -394,8 +394,8 @@ def keep_carry(out: Any, kind: str, carry: Any, *, made: Any = None) -> Any:
     from `made` (the body's result before any other cast; default `out`)."""
     made = out if made is None else made
     scan = kind == "scan"
-    if scan and not (type(out) in (tuple, list) and len(out) == 2):
-        return out  # Not `(carry, ys)`: JAX's own check says what is wrong.
+    if scan and ji.scan_result_parts(out) is None:
+        return out  # JAX's own check says what is wrong.
     new = made[0] if scan else made
     treedef: Any = jax.tree.structure(new)
     try:

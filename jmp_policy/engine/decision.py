@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -99,8 +99,10 @@ class Rules:
         return _first_scope_rule(self.by_scope, stack, self)
 
     @property
-    def results_in(self) -> np.dtype:
-        return self.compute_dtype if self.reduce_dtype is None else self.reduce_dtype
+    def default_products(self) -> Products:
+        """What decides a product outside every `product_scope`."""
+        results = self.compute_dtype if self.reduce_dtype is None else self.reduce_dtype
+        return Products(self.compute_dtype, self.matmul_dtype, self.fp8_scaling, results)
 
     @property
     def only_products(self) -> bool:
@@ -142,13 +144,23 @@ def matmul_rules(
     )
 
 
-def policy_products(policy: Policy) -> tuple[np.dtype, np.dtype | None, str, np.dtype]:
-    """What decides a product under `policy`: its compute dtype, matmul dtype, FP8
-    scaling and the dtype its results take (the reduce dtype)."""
+class Products(NamedTuple):
+    """What decides a product: the compute dtype its wider operands take, the
+    matmul dtype whose product it takes (None: none), the FP8 or FP4 scaling
+    and the dtype its results leave it in (the reduce dtype)."""
+
+    compute: np.dtype
+    matmul: np.dtype | None
+    scaling: str
+    results: np.dtype
+
+
+def policy_products(policy: Policy) -> Products:
+    """What decides a product under `policy`."""
     m = None if policy.matmul_dtype is None else np.dtype(policy.matmul_dtype)
     c = np.dtype(policy.compute_dtype)
     r = c if policy.reduce_dtype is None else np.dtype(policy.reduce_dtype)
-    return c, m, policy.fp8_scaling, r
+    return Products(c, m, policy.fp8_scaling, r)
 
 
 def product_rules(policy: Policy, *, scaled_scopes: bool) -> Rules:

@@ -18,10 +18,9 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import re
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,7 @@ from jmp_policy.core.dtypes import F32 as _F32
 from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, cast, is_complex, is_float, widest
 from jmp_policy.engine import intent
 from jmp_policy.engine.data_flow import MOVES_DATA, buffer_sources, declarations, flow_of
-from jmp_policy.engine.decision import Rules, matmul_rules
+from jmp_policy.engine.decision import Products, Rules, matmul_rules
 from jmp_policy.engine.products import cpu_form
 from jmp_policy.engine.products.fp8 import fp8_product
 from jmp_policy.engine.products.grouped import grouped_product
@@ -213,8 +212,8 @@ def _scopes_of(stack: str, rules: Rules) -> tuple:
     written, `product_scope` markers (scoped rules), the whole stack where
     autocast's `rules=` match it."""
     return (
-        _AS_WRITTEN in stack,
-        tuple(_SCOPE_NAME.findall(stack)) if rules.scoped else (),
+        bool(ji.marks_in(stack, _AS_WRITTEN)),
+        tuple(tuple(m.items()) for m in ji.marks_in(stack, _SCOPE)) if rules.scoped else (),
         stack if rules.by_scope else "",
     )
 
@@ -337,7 +336,6 @@ _HIGHER_ORDER[ji.custom_vjp_call_p] = _custom_vjp_rule
 _SCOPE = "jmp_policy_products"
 # `as_written`: a region the policy leaves as the program wrote it.
 _AS_WRITTEN = "jmp_policy_as_written"
-_SCOPE_NAME = re.compile(re.escape(_SCOPE) + r"\[c=(\w+);m=(\w+);s=(\w+);r=(\w+)\]")
 # The name stack outside the program being traced: JAX traces nested programs
 # (loop bodies, checkpointed and custom_jvp functions) with an empty one.
 _OUTER_STACK: contextvars.ContextVar[str] = contextvars.ContextVar("outer_stack", default="")
@@ -375,7 +373,7 @@ def product_scope(
     m = "none" if matmul_dtype is None else np.dtype(matmul_dtype).name
     c = np.dtype(compute_dtype).name
     r = c if reduce_dtype is None else np.dtype(reduce_dtype).name
-    return jax.named_scope(f"{_SCOPE}[c={c};m={m};s={fp8_scaling};r={r}]")
+    return ji.marked_scope(_SCOPE, c=c, m=m, s=fp8_scaling, r=r)
 
 
 def as_written() -> contextlib.AbstractContextManager:
@@ -400,17 +398,16 @@ def as_written() -> contextlib.AbstractContextManager:
     >>> jmp.autocast(jmp.as_written()(angles), "mixed_bfloat16")(pos, inv)
     Array([[8001.]], dtype=float32)
     """
-    return jax.named_scope(_AS_WRITTEN)
+    return ji.marked_scope(_AS_WRITTEN)
 
 
-def _products_here(rules: Rules) -> tuple[np.dtype, np.dtype | None, str, np.dtype]:
-    """`(compute dtype, matmul dtype, FP8 scaling, reduce dtype)` of a product:
-    its innermost scope's under scoped rules, else the rules' own."""
-    names = _SCOPE_NAME.findall(_name_stack()) if rules.scoped else ()
-    if not names:
-        return rules.compute_dtype, rules.matmul_dtype, rules.fp8_scaling, rules.results_in
-    c, m, scaling, r = names[-1]
-    return np.dtype(c), (None if m == "none" else np.dtype(m)), scaling, np.dtype(r)
+def _products_here(rules: Rules) -> Products:
+    """What decides a product: its innermost scope's under scoped rules, else the rules'."""
+    marks = ji.marks_in(_name_stack(), _SCOPE) if rules.scoped else ()
+    if not marks:
+        return rules.default_products
+    c, m, s, r = (marks[-1][k] for k in "cmsr")
+    return Products(np.dtype(c), None if m == "none" else np.dtype(m), s, np.dtype(r))
 
 
 def _results_dtype(eqn, reduce_dtype):
@@ -520,7 +517,7 @@ def _products_in(jaxpr: ji.Jaxpr, half: frozenset[str]) -> tuple[int, bool]:
             if e.primitive is ji.custom_jvp_call_p:
                 opaque = True
             elif e.primitive.name in half or nested:
-                opaque = opaque or _SCOPE in ji.name_stack(e)
+                opaque = opaque or bool(ji.marks_in(ji.name_stack(e), _SCOPE))
             for j in nested:
                 w, o = _products_in(j, half)
                 widest, opaque = max(widest, w), opaque or o
@@ -550,7 +547,7 @@ def _rules_here(rules: Rules) -> Rules | None:
     written (`as_written`, or autocast's `rules=` naming it so), else those
     autocast's `rules=` give its named scope, else `rules`."""
     stack = _name_stack()
-    if _AS_WRITTEN in stack:
+    if ji.marks_in(stack, _AS_WRITTEN):
         return None
     return rules.for_scope(stack) if rules.by_scope else rules
 
@@ -781,20 +778,10 @@ def _traced_and_run(traced_fn: Callable, values: list, rules: Rules | None) -> t
     # are rewritten) save what the values' derivatives need.
     scaled = rules is not None and may_scale(rules)
     with traced_for(values) if scaled else contextlib.nullcontext():
-        try:
-            closed = jax.make_jaxpr(traced_fn)(*values)
-        except TypeError as e:
-            # A write into a buffer of another dtype (a bf16 cache given to a
-            # float32 program), or a loop whose float32 body changes a bf16
-            # carry given to it, is refused as written. Traced with its
-            # floating arguments in float32, the program type-checks; run on
-            # the values as given, each write takes its buffer's dtype and
-            # each carry the dtype it came in.
-            if rules is None or not (
-                ji.is_write_dtype_mismatch(e) or ji.is_loop_carry_type_change(e)
-            ):
-                raise
-            closed = jax.make_jaxpr(traced_fn)(*_widened(values))
+        trace = lambda values: jax.make_jaxpr(traced_fn)(*values)  # noqa: E731
+        # Run on the values as given, each write of a program traced widened
+        # takes its buffer's dtype and each carry the dtype it came in.
+        closed = trace(values) if rules is None else traced_widened_where_refused(trace, values)
         if rules is None:
             return ji.eval_jaxpr(closed.jaxpr, closed.consts, values, ji.bind), closed
         marks = [intent.given(x.dtype) for x in values]  # Arguments: NumPy ones too.
@@ -815,11 +802,47 @@ def flow_recording_runner(rules: Rules | None) -> tuple[Callable, list]:
     return run, flows
 
 
-def _widened(values):
-    """Stand-ins for `values`, the floating ones in float32 (or the wider dtype among them):
-    what a float32 program computes and writes then fits its buffers."""
-    wide = widest([_F32, *(x.dtype for x in values if is_float(x))])
-    return [ji.stand_in(jax.typeof(x), wide, weak_type=False) if is_float(x) else x for x in values]
+T = TypeVar("T")
+
+
+def traced_widened_where_refused(trace: Callable[[Any], T], values: Any) -> T:
+    """`trace(values)`, or where JAX refuses the program as written on half
+    values, `trace` of stand-ins for them in float32 (`widened`): what a
+    float32 program computes then fits its buffers.
+
+    JAX refuses a write into a buffer of another dtype (a bf16 cache given to
+    a float32 program) and a loop whose float32 body changes a bf16 carry
+    given to it. The one place a program is traced again after a failure;
+    every other error is raised as it came.
+
+    Raises:
+      The refusal, with a note, where the widened trace fails too.
+    """
+    try:
+        return trace(values)
+    except TypeError as e:
+        if not (ji.is_write_dtype_mismatch(e) or ji.is_loop_carry_type_change(e)):
+            raise
+        refused = e
+    try:
+        return trace(widened(values, abstract=True))
+    except Exception:
+        refused.add_note("Traced with its floating arguments in float32, it failed too.")
+        raise refused from None
+
+
+def widened(values: Any, *, abstract: bool) -> Any:
+    """`values` with the floating arrays in float32 (or the widest dtype among
+    them): stand-ins (`abstract`) or copies. What a float32 program is given."""
+    leaves, treedef = jax.tree.flatten(values)
+    wide = widest([_F32, *(x.dtype for x in leaves if is_float(x))])
+
+    def widen(x: Any) -> Any:
+        if not is_float(x):
+            return x
+        return ji.stand_in(jax.typeof(x), wide, weak_type=False) if abstract else cast(x, wide)
+
+    return jax.tree.unflatten(treedef, [widen(x) for x in leaves])
 
 
 _TRACED = object()  # The place of an array result in `trace_and_eval`.

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
@@ -49,18 +47,6 @@ from jmp_policy.engine.products.matmul_dtype import (
 
 T = TypeVar("T")
 
-# Where Flax's layers infer their dtype from their operands (`dtype=None`):
-# `promote_dtype` in linen's and NNX's `dtypes` modules.
-_FLAX_DTYPE_INFERENCE = re.compile(r"flax[/\\](linen|nnx[/\\]nn)[/\\]dtypes\.py:.*\(promote_dtype")
-
-
-def infers_a_layers_dtype(origin: str) -> bool:
-    """Whether a conversion written at `origin` ("file:line:column (function)")
-    is a Flax layer inferring its dtype from its operands (`dtype=None`):
-    under a policy the model's own half config would have set that field."""
-    return _FLAX_DTYPE_INFERENCE.search(origin) is not None
-
-
 # The dense layers whose `dot_general` hook takes the matmul dtype; `*_cls`
 # factories win over the injected function in Flax, so they are cleared.
 _DENSE = (nn.Dense, nn.DenseGeneral, nnx.Linear, nnx.LinearGeneral)
@@ -73,34 +59,6 @@ def keeps_its_dtypes(module: Any) -> bool:
     and parameters.
     """
     return any(is_complex(getattr(module, k, None)) for k in ("dtype", "param_dtype"))
-
-
-def is_flax_module(module: Any) -> bool:
-    """A module defined by Flax itself (`nn.Dense`, `nnx.LSTMCell`, ...)."""
-    return type(module).__module__.split(".")[0] == "flax"
-
-
-# Flax's module base classes: a layer derived from them alone is a third party's.
-_MODULE_BASES = (
-    frozenset(nn.Module.__mro__)
-    | frozenset(nnx.Module.__mro__)
-    | frozenset(nnx.bridge.Module.__mro__)
-)
-# Where Flax makes the classes of lifted modules (`nn.scan`, `nn.remat`, ...).
-_LIFTED = "flax.linen.transforms"
-
-
-def is_flax_layer(module: Any) -> bool:
-    """A layer of Flax's (`nn.Dense`, `nnx.Linear`) or derived from one: its
-    `dtype` and `param_dtype` mean what Flax's layers make of them (compute
-    in `dtype`, parameters in `param_dtype`). A third party's own module may
-    read them otherwise, or keep another dtype field beside them."""
-    return any(
-        c not in _MODULE_BASES
-        and c.__module__.split(".")[0] == "flax"
-        and c.__module__ != _LIFTED  # `nn.scan(Block)`: the block's own class decides
-        for c in type(module).__mro__
-    )
 
 
 def run_as_written(error: Exception, run: Callable[[], T], model: Any) -> T:
@@ -134,17 +92,6 @@ def run_as_written(error: Exception, run: Callable[[], T], model: Any) -> T:
     return out
 
 
-def configures_dtypes(model: Any) -> bool:
-    """Whether a model has a dtype config of its own: a floating `dtype`
-    attribute (Hugging Face's `dtype=jnp.float32`), which its author passes
-    to the layers that are to compute in it."""
-    dtype = getattr(model, "dtype", None)
-    try:
-        return dtype is not None and jnp.issubdtype(np.dtype(dtype), jnp.floating)
-    except TypeError:
-        return False
-
-
 # Modules whose own maths are statistics the model's own half config keeps in
 # float32 (it builds them without a `dtype`): SpectralNorm's power iteration.
 _FLOAT32_STATISTICS: tuple[type, ...] = (nn.SpectralNorm, nnx.SpectralNorm)
@@ -162,7 +109,7 @@ def own_policy(module: Any, policy: Policy) -> Policy:
 def looks_up_as_built(module: Any, method_name: str, *, configured: bool, named: bool) -> bool:
     """Whether a linen `nn.Embed`'s lookup keeps the dtype it was built with.
 
-    In a model that `configures_dtypes`, an embedding built without a `dtype`
+    In a model that `flax_internals.configures_dtypes`, an embedding built without a `dtype`
     (Hugging Face's) returns its table's dtype in the model's own half
     config, and so does the residual stream it feeds. Its lookup is no
     product: it stays so under the policy, while `attend` (a product) takes
@@ -209,7 +156,7 @@ def matmul_overrides(module: Any, policy: Policy, *, rewritten: bool = False) ->
     rewritten), a dense layer multiplying with `lax.dot_general` is left to
     the rewrite: one product fewer to trace.
     """
-    m, scaling, r = policy.matmul_dtype, policy.fp8_scaling, policy_products(policy)[3]
+    m, scaling, r = policy.matmul_dtype, policy.fp8_scaling, policy_products(policy).results
     dot_general = matmul_dot_general(m, scaling, reduce_dtype=r)
     if dot_general is None:
         return {}

@@ -37,9 +37,9 @@ from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
 from jmp_policy.core.policy import Policy, get_policy, policy_argument
 from jmp_policy.engine.data_flow import Flow, ReturnsState, as_given, cast_results
-from jmp_policy.engine.decision import policy_products, product_rules
+from jmp_policy.engine.decision import Products, policy_products, product_rules
 from jmp_policy.engine.interpreter import flow_recording_runner, product_scope
-from jmp_policy.integrations import casting
+from jmp_policy.integrations import casting, flax_internals
 from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_names
 
 M = TypeVar("M", bound=nnx.Module)
@@ -245,7 +245,7 @@ def _with_policy(
             continue  # Complex parameters are left alone by `cast_to_param` too.
         had = _configure(sub, _norm_policy(policies[path]) if path in norms else policies[path])
         if had:
-            written[path] = (had, not casting.is_flax_layer(sub))
+            written[path] = (had, not flax_internals.is_flax_layer(sub))
     for path, node in nnx.iter_graph(mixed):
         if isinstance(node, nnx.Param):
             value = node.get_value()
@@ -494,7 +494,7 @@ class _CallPlan:
     input_policy: Policy | None  # Casts the inputs not kept, where a rule names the model.
     keep: Callable[[int | str], bool]
     norms: tuple[tuple[PathParts, Policy], ...]
-    scoped: tuple[tuple[PathParts, tuple], ...]  # (path, its `policy_products`)
+    scoped: tuple[tuple[PathParts, Products], ...]
     as_written: tuple[tuple[PathParts, tuple], ...]  # (path, its fields as written)
 
     def __call__(self, module: nnx.Module, *args: Any, **kwargs: Any) -> Any:
@@ -516,45 +516,9 @@ class _CallPlan:
         return module(*args, **kwargs)
 
 
-# Methods every NNX module has (`train`, `sow`, ...): not a layer's own maths.
-_MODULE_METHODS = frozenset(dir(nnx.Module)) - {"__call__"}
-
-
-def _run_in_product_scope(module: nnx.Module, products: tuple) -> None:
-    """Makes `module`'s own methods trace their products in `product_scope(*products)`.
-
-    NNX has no method interceptors: the copy a traced call merged gets a
-    subclass of its own class whose methods open the scope and call the
-    class's (looked up at each call, never stale).
-    """
-    module.__class__ = _scoped_class(type(module), products)
-
-
-# One scoped subclass per class and products: made once, not at every call.
-_SCOPED_CLASSES: dict[tuple[type, tuple], type] = {}
-
-
-def _scoped_class(cls: type, products: tuple) -> type:
-    if (cls, products) in _SCOPED_CLASSES:
-        return _SCOPED_CLASSES[cls, products]
-
-    def scoped(name: str) -> Callable:
-        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with product_scope(*products):
-                return getattr(super(subclass, self), name)(*args, **kwargs)
-
-        return method
-
-    names = [
-        n
-        for n in dir(cls)
-        if n not in _MODULE_METHODS
-        and (n == "__call__" or not n.startswith("__"))
-        and inspect.isfunction(getattr(cls, n, None))
-    ]
-    subclass = type(cls.__name__, (cls,), {n: scoped(n) for n in names})
-    _SCOPED_CLASSES[cls, products] = subclass
-    return subclass
+def _run_in_product_scope(module: nnx.Module, products: Products) -> None:
+    """Makes `module`'s own methods trace their products in `product_scope(*products)`."""
+    flax_internals.run_methods_in(module, products, lambda: product_scope(*products))
 
 
 def _positional_names(method: Callable, names: frozenset[str]) -> tuple[str, ...]:

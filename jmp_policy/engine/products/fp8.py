@@ -43,6 +43,7 @@ arXiv:2209.05433; torchao's float8 training recipes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -297,6 +298,87 @@ def _shared_fp8_product(
     )  # fmt: skip
 
 
+_E4M3, _E5M2 = (E4M3, E4M3_MAX), (E5M2, E5M2_MAX)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    """How one FP8 product scales its operands: per tensor or per row, on `layout`."""
+
+    layout: _Layout
+    rowwise: bool
+
+    def scale(self, x: jax.Array, fmt: tuple, axes: tuple | None) -> jax.Array:
+        return fp8_scale(x, fmt[1], axes if self.rowwise else None)
+
+    def placers(self, a: str, b: str, dst: str) -> tuple[Callable, Callable]:
+        """How scales of `a` and of `b` broadcast against `dst`."""
+        return (
+            lambda s: self.layout.place(s, a, dst),
+            lambda s: self.layout.place(s, b, dst),
+        )
+
+    def backward_scales(self, lhs: jax.Array, rhs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Each operand's scale for the backward product that keeps its other axes."""
+        axes = self.layout.backward_axes
+        return self.scale(lhs, _E4M3, axes["lhs"]), self.scale(rhs, _E4M3, axes["rhs"])
+
+    def gradient_scales(self, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The output gradient's scales for `d lhs` and for `d rhs`."""
+        if not self.rowwise:
+            sg = self.scale(g, _E5M2, None)
+            return sg, sg
+        axes = self.layout.backward_axes
+        return self.scale(g, _E5M2, axes["out for d lhs"]), self.scale(
+            g, _E5M2, axes["out for d rhs"]
+        )
+
+
+def _fp8_forward(
+    recipe: _Recipe, results_of: Callable, lhs: jax.Array, rhs: jax.Array, residuals: str
+) -> tuple[jax.Array, tuple]:
+    """The forward product, and what its backward pass needs."""
+    axes = recipe.layout.forward_axes
+    sl, sr = recipe.scale(lhs, _E4M3, axes["lhs"]), recipe.scale(rhs, _E4M3, axes["rhs"])
+    forward = recipe.placers("lhs", "rhs", "out")
+    if residuals == "operands":
+        out = _fp8_bilinear(results_of, lhs, rhs, (sl, sr), (_E4M3, _E4M3), forward)
+        if recipe.rowwise:  # The backward products keep other axes: scaled along those.
+            sl, sr = recipe.backward_scales(lhs, rhs)
+        return out, (lhs, rhs, sl, sr)
+    # Saved quantized, the operands have no tangents (differentiating them
+    # raises), so the forward product takes the very e4m3 copies it saves:
+    # per tensor, a sharded program gathers one FP8 copy for both passes.
+    lhs, rhs = to_be_saved_quantized((lhs, rhs))
+    ql, qr = fp8_quantize(lhs, sl, *_E4M3), fp8_quantize(rhs, sr, *_E4M3)
+    out = _scaled_bilinear(results_of, ql, qr, (sl, sr), forward)
+    if recipe.rowwise:
+        sl, sr = recipe.backward_scales(lhs, rhs)
+        ql, qr = fp8_quantize(lhs, sl, *_E4M3), fp8_quantize(rhs, sr, *_E4M3)
+    return out, (ql, qr, sl, sr)
+
+
+def _fp8_backward(
+    recipe: _Recipe, transposed: tuple[Callable, Callable], res: tuple, g: jax.Array, residuals: str
+) -> tuple[jax.Array, jax.Array]:
+    """`d lhs` and `d rhs` from the output gradient `g` and the forward's residuals."""
+    t_lhs, t_rhs = transposed
+    sg_lhs, sg_rhs = recipe.gradient_scales(g)
+    to_lhs, to_rhs = recipe.placers("out", "rhs", "lhs"), recipe.placers("out", "lhs", "rhs")
+    if residuals == "operands":
+        lhs, rhs, sl, sr = res
+        lhs_bar = _fp8_bilinear(t_lhs, g, rhs, (sg_lhs, sr), (_E5M2, _E4M3), to_lhs)
+        rhs_bar = _fp8_bilinear(t_rhs, g, lhs, (sg_rhs, sl), (_E5M2, _E4M3), to_rhs)
+        return lhs_bar, rhs_bar
+    ql, qr, sl, sr = res
+    # Per tensor, both backward products take one e5m2 copy of `g`.
+    qg_lhs = fp8_quantize(g, sg_lhs, *_E5M2)
+    qg_rhs = fp8_quantize(g, sg_rhs, *_E5M2) if recipe.rowwise else qg_lhs
+    lhs_bar = _scaled_bilinear(t_lhs, qg_lhs, qr, (sg_lhs, sr), to_lhs)
+    rhs_bar = _scaled_bilinear(t_rhs, qg_rhs, ql, (sg_rhs, sl), to_rhs)
+    return lhs_bar, rhs_bar
+
+
 def _fp8_product(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -308,77 +390,24 @@ def _fp8_product(
     residuals: str,
     results: np.dtype,
 ) -> jax.Array:
-    layout = _Layout(dims, lhs.ndim, rhs.ndim)
+    recipe = _Recipe(_Layout(dims, lhs.ndim, rhs.ndim), rowwise)
     lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
-    t_lhs = transposed_product(product, lhs, rhs, "lhs", results)
-    t_rhs = transposed_product(product, lhs, rhs, "rhs", results)
-    e4m3, e5m2 = (E4M3, E4M3_MAX), (E5M2, E5M2_MAX)
-    axes = layout.backward_axes
-
-    def scale(x, fmt, axes):
-        return fp8_scale(x, fmt[1], axes if rowwise else None)
-
-    def placer(src, dst):
-        return lambda s: layout.place(s, src, dst)
-
-    def gradient_scales(g):
-        """The output gradient's scales for `d lhs` and for `d rhs`."""
-        if rowwise:
-            return scale(g, e5m2, axes["out for d lhs"]), scale(g, e5m2, axes["out for d rhs"])
-        sg = scale(g, e5m2, None)
-        return sg, sg
+    transposed = (
+        transposed_product(product, lhs, rhs, "lhs", results),
+        transposed_product(product, lhs, rhs, "rhs", results),
+    )
 
     @jax.custom_vjp
     def f(lhs, rhs):
         return fwd(lhs, rhs)[0]
 
     def fwd(lhs, rhs):
-        sl = scale(lhs, e4m3, layout.forward_axes["lhs"])
-        sr = scale(rhs, e4m3, layout.forward_axes["rhs"])
-        forward = (placer("lhs", "out"), placer("rhs", "out"))
-
-        def results_of(a, b):
-            return product(a, b, results)
-
-        if residuals == "operands":
-            out = _fp8_bilinear(results_of, lhs, rhs, (sl, sr), (e4m3, e4m3), forward)
-            if rowwise:  # The backward products keep other axes: scaled along those.
-                sl, sr = scale(lhs, e4m3, axes["lhs"]), scale(rhs, e4m3, axes["rhs"])
-            return cast(out, out_dtype), (lhs, rhs, sl, sr)
-        # Saved quantized, the operands have no tangents (differentiating them
-        # raises), so the forward product takes the very e4m3 copies it saves:
-        # per tensor, a sharded program gathers one FP8 copy for both passes.
-        lhs, rhs = to_be_saved_quantized((lhs, rhs))
-        ql, qr = fp8_quantize(lhs, sl, *e4m3), fp8_quantize(rhs, sr, *e4m3)
-        out = _scaled_bilinear(results_of, ql, qr, (sl, sr), forward)
-        if rowwise:  # The backward products keep other axes: scaled along those.
-            sl, sr = scale(lhs, e4m3, axes["lhs"]), scale(rhs, e4m3, axes["rhs"])
-            ql, qr = fp8_quantize(lhs, sl, *e4m3), fp8_quantize(rhs, sr, *e4m3)
-        return cast(out, out_dtype), (ql, qr, sl, sr)
+        results_of = lambda a, b: product(a, b, results)  # noqa: E731
+        out, res = _fp8_forward(recipe, results_of, lhs, rhs, residuals)
+        return cast(out, out_dtype), res
 
     def bwd(res, g):
-        sg_lhs, sg_rhs = gradient_scales(g)
-        if residuals == "operands":
-            lhs, rhs, sl, sr = res
-            lhs_bar = _fp8_bilinear(
-                t_lhs, g, rhs, (sg_lhs, sr), (e5m2, e4m3),
-                (placer("out", "lhs"), placer("rhs", "lhs")),
-            )  # fmt: skip
-            rhs_bar = _fp8_bilinear(
-                t_rhs, g, lhs, (sg_rhs, sl), (e5m2, e4m3),
-                (placer("out", "rhs"), placer("lhs", "rhs")),
-            )  # fmt: skip
-        else:
-            ql, qr, sl, sr = res
-            # Per tensor, both backward products take one e5m2 copy of `g`.
-            qg_lhs = fp8_quantize(g, sg_lhs, *e5m2)
-            qg_rhs = fp8_quantize(g, sg_rhs, *e5m2) if rowwise else qg_lhs
-            lhs_bar = _scaled_bilinear(
-                t_lhs, qg_lhs, qr, (sg_lhs, sr), (placer("out", "lhs"), placer("rhs", "lhs"))
-            )
-            rhs_bar = _scaled_bilinear(
-                t_rhs, qg_rhs, ql, (sg_rhs, sl), (placer("out", "rhs"), placer("lhs", "rhs"))
-            )
+        lhs_bar, rhs_bar = _fp8_backward(recipe, transposed, res, g, residuals)
         return cast(lhs_bar, lhs_dtype), cast(rhs_bar, rhs_dtype)
 
     # Traced once per shape signature: every product of it shares this backward.

@@ -23,8 +23,10 @@ The package, one concern a module (read `entry_points` first):
 * `plain_function`: a function that is not a linen entry point;
 * `parameters`: the dtypes parameters are made in, and `init`'s own draws;
 * `remat_norms`: half-precision norms recomputed in the backward pass;
-* `loop_carries`: the carries of lifted loops keep their dtypes;
-* `flax_internals`: every Flax private API read or patched, in one place.
+* `loop_carries`: the carries of lifted loops keep their dtypes.
+
+Every Flax private API read or patched, and every guess about a Flax model,
+is in `jmp_policy.integrations.flax_internals`.
 """
 
 from jmp_policy.integrations.linen.entry_points import (

@@ -1,7 +1,8 @@
 """The record of one call of a wrapped function, and the context it runs in.
 
-A `_Call` holds what the interceptor learns while the model runs (the module
-paths met, the rules matched, each module's policy); `_calling` sets it, the
+A `CallMode` holds what a call decided before it runs; a `_Call`, what the
+interceptor learns while the model runs (the module paths met, the rules
+matched, each module's policy); `_calling` sets it, the
 policy and the interceptor for the call's duration. `nn.jit` keys its traces
 on the call too (`_nn_jit_keyed_on_the_call`).
 """
@@ -22,10 +23,9 @@ import numpy as np
 
 from jmp_policy.core.policy import Policy
 from jmp_policy.engine.data_flow import declare_state, is_declared_state
-from jmp_policy.engine.decision import policy_products
+from jmp_policy.engine.decision import Products, policy_products
 from jmp_policy.engine.residuals import traced_for
-from jmp_policy.integrations import casting
-from jmp_policy.integrations.linen import flax_internals
+from jmp_policy.integrations import casting, flax_internals
 
 # The policy of the module being called; children without a rule inherit it.
 _ACTIVE_POLICY: contextvars.ContextVar[Policy] = contextvars.ContextVar("policy")
@@ -34,20 +34,30 @@ _ACTIVE_POLICY: contextvars.ContextVar[Policy] = contextvars.ContextVar("policy"
 _TRACE_KEYS: Iterator[int] = itertools.count(1)
 
 
-@dataclasses.dataclass
-class _Call:
-    """What one call of a wrapped function records and needs while it runs."""
+@dataclasses.dataclass(frozen=True)
+class CallMode:
+    """What a call of a wrapped function decided before it runs."""
 
-    keep_inputs: frozenset[str]
+    keep_inputs: frozenset[str] = frozenset()
     rewrite: bool = False  # Products are decided by the op-level rewrite (not in `init`).
     # A third party's own modules keep their dtype fields as written (`casting.run_as_written`).
     as_written: bool = False
     # No module's dtype fields are set, Flax's own either: after a lifted loop
     # refused the carry they changed (the engine alone decides the products).
     fields_unset: bool = False
+    # The first intercepted call is the model's own (its inputs); not for a
+    # plain function, whose modules are all called from it.
+    model_first: bool = True
+
+
+@dataclasses.dataclass
+class _Call:
+    """What one call of a wrapped function learns while it runs, under its `mode`."""
+
+    mode: CallMode
     # Whether the policy set a dtype field of a third party's own module.
     set_third_party_fields: bool = False
-    top: bool = True  # The next intercepted call is the model's own (its inputs).
+    seen_top: bool = False  # The model's own call has been intercepted.
     # Whether the model has a dtype config (`casting.configures_dtypes`); None
     # until its own call.
     configured: bool | None = None
@@ -62,7 +72,7 @@ class _Call:
     running: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
     prefixes: dict[int, tuple[Any, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
     # What decides the products in each running module's scope (`policy_products`), innermost last.
-    products: list[tuple] = dataclasses.field(default_factory=list)
+    products: list[Products] = dataclasses.field(default_factory=list)
     # `nn.jit` keys its traces on it (see `_nn_jit_keyed_on_the_call`).
     trace_key: int = dataclasses.field(default_factory=lambda: next(_TRACE_KEYS))
     # The variables bound to each model (a root scope, by id), as they came in

@@ -7,6 +7,7 @@ variables were given in (`apply_keeping_variables`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -21,30 +22,13 @@ from jmp_policy.core.policy import get_policy, policy_argument
 from jmp_policy.engine.data_flow import Flow, ReturnsState, as_given, cast_results
 from jmp_policy.engine.decision import product_rules
 from jmp_policy.engine.interpreter import trace_and_eval
-from jmp_policy.integrations import casting
+from jmp_policy.integrations import casting, flax_internals
 from jmp_policy.integrations.linen.arguments import _unwrap_partial
-from jmp_policy.integrations.linen.call import _Call, _calling, explain_state_dtypes
+from jmp_policy.integrations.linen.call import CallMode, _Call, _calling, explain_state_dtypes
 from jmp_policy.integrations.linen.interceptor import _make_interceptor
-from jmp_policy.integrations.linen.parameters import (
-    _MADE,
-    _dtypes_by_path,
-    _made_dtypes,
-    _own_draws,
-    _params_to_owner_dtypes,
-    _read_in,
-)
+from jmp_policy.integrations.linen.parameters import MadeKey, variables_as_made, variables_made
 from jmp_policy.integrations.linen.plain_function import _plain_function
 from jmp_policy.integrations.rules import PolicyLike, Rules, RuleSet, input_names
-
-_LINEN_ENTRIES = ("apply", "init", "init_with_output")
-
-
-def _linen_entry(fn: Callable) -> str | None:
-    """'apply', 'init' or 'init_with_output' for a bound linen method, else None."""
-    if isinstance(getattr(fn, "__self__", None), nn.Module):
-        name = getattr(fn, "__name__", None)
-        return name if name in _LINEN_ENTRIES else None
-    return None
 
 
 def _split_first(entry: str, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
@@ -62,7 +46,7 @@ def state_in_result(fn: Callable, kwargs: dict) -> Any:
     """Which parts of a linen entry point's result are state (`returns_state`):
     `init`'s variables and the collections `apply` returns; None for a result
     holding none, or for any other function."""
-    entry = _linen_entry(fn)
+    entry = flax_internals.linen_entry(fn)
     if entry == "init":
         return True
     if entry == "init_with_output" or (entry == "apply" and _returns_collections(kwargs)):
@@ -82,7 +66,7 @@ def collections_as_given(collections: Any, variables: Any) -> Any:
 def apply_keeping_variables(run: Callable, fn: Callable, args: tuple, kwargs: dict) -> Any:
     """`autocast`'s call of a linen `apply` that returns collections: the
     variables given come back in their dtypes; `NotImplemented` for any other call."""
-    if _linen_entry(fn) != "apply" or not _returns_collections(kwargs):
+    if flax_internals.linen_entry(fn) != "apply" or not _returns_collections(kwargs):
         return NotImplemented
     out, collections = run(fn, args, kwargs)
     return out, collections_as_given(collections, _split_first("apply", args, kwargs)[0])
@@ -279,7 +263,7 @@ def with_policy(
     matmul_dtypes = (policy.matmul_dtype, *rule_set.matmul_dtypes)
     scaled = any(m in SCALED_MATMUL_DTYPES for m in matmul_dtypes)
     target, bound_args, bound_kwargs = _unwrap_partial(fn)
-    entry = _linen_entry(target)
+    entry = flax_internals.linen_entry(target)
     op_rules = product_rules(policy, scaled_scopes=scaled)
 
     def to_output(out: Any, flow: Flow) -> Any:
@@ -288,31 +272,8 @@ def with_policy(
     if entry is None:
         return _plain_function(fn, policy, interceptor, keep_inputs, scaled, to_output)
 
-    def run(first, args, kwargs):
-        return target(first, *args, **kwargs)
-
     model: nn.Module = target.__self__  # type: ignore[attr-defined]  # A bound linen method.
-    made_key = (policy, tuple(rule_set.rules))
-
-    def read_as_made(variables: Any, args: tuple, kwargs: dict, call: _Call) -> Any:
-        """`variables` with each parameter in the dtype the model makes it in under the policy."""
-        if not isinstance(variables, Mapping) or "params" not in variables:
-            return variables
-        key = (*made_key, call.as_written, call.fields_unset)
-        dtypes = _MADE.get(model, key, args, kwargs)
-        if dtypes is None:
-            try:
-                dtypes = _made_dtypes(model, policy, interceptor, args, kwargs, call)
-            except Exception:
-                # `init` cannot run on this call's arguments (a cached decoding
-                # step whose cache `with_policy(model.init)` made): what that
-                # init recorded for the same parameters serves.
-                paths = set(_dtypes_by_path(variables["params"]))
-                dtypes = _MADE.of_the_same_parameters(model, made_key, paths)
-                if dtypes is None:
-                    raise
-            _MADE.put(model, key, args, kwargs, dtypes)
-        return {**variables, "params": _read_in(variables["params"], dtypes)}
+    made_key = MadeKey(policy, tuple(rule_set.rules))
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -325,46 +286,17 @@ def with_policy(
         # variables keep their dtypes; modules cast their parameters.
         first, args, kwargs = _split_first(entry, args, kwargs)
 
-        def traced(call: _Call) -> tuple[Any, Flow]:
-            variables = read_as_made(first, args, kwargs, call) if entry == "apply" else first
-            values = (variables, args, kwargs) if scaled else ()
-            with _calling(policy, call, interceptor, values):
-                try:
-                    return trace_and_eval(
-                        run,
-                        (variables, args, kwargs),
-                        op_rules if call.rewrite else None,
-                        flow=True,
-                    )
-                except (TypeError, ValueError) as e:
-                    if entry == "apply":
-                        explain_state_dtypes(e, variables, policy)
-                    raise
-
+        call_args = (first, args, kwargs)
+        traced = _tracer(target, entry, made_key, interceptor, op_rules, scaled, call_args)
         # `init`'s products are never seen: only its parameters are kept.
-        call = _Call(keep_inputs=keep_inputs, rewrite=entry != "init")
-        try:
-            result, flow = traced(call)
-        except Exception as error:
-            # A lifted loop (`nn.scan(fn, ...)`, `nn.while_loop`) whose body the
-            # fields made change its carry: the engine keeps carries, the fields go.
-            carry = isinstance(error, TypeError) and jax_internals.is_loop_carry_type_change(error)
-            if not (carry or (entry == "apply" and call.set_third_party_fields)):
-                raise
-            call = _Call(
-                keep_inputs=keep_inputs, rewrite=entry != "init", as_written=True,
-                fields_unset=carry,
-            )  # fmt: skip
-            result, flow = casting.run_as_written(error, lambda: traced(call), model)
+        mode = CallMode(keep_inputs, rewrite=entry != "init")
+        result, flow, call = _run(traced, mode, entry, model)
         if "method" not in kwargs:
             # A whole-model call met every module: a pattern that matched none is a typo.
             rule_set.check_all_matched(call.matched, call.paths, getattr(target, "__self__", None))
         if entry != "apply":
             made = result if entry == "init" else result[1]
-            if isinstance(made, Mapping) and "params" in made:
-                _MADE.put(model, (*made_key, False), args, kwargs, _dtypes_by_path(made["params"]))
-                own = _own_draws(target, entry, (first, args, kwargs), made["params"])
-                made = _params_to_owner_dtypes({**made, "params": own}, call.owners, policy)
+            made = variables_made(target, entry, made_key, call_args, made, call)
             return made if entry == "init" else (to_output(result[0], flow), made)
         if _returns_collections(kwargs):
             out, collections = result
@@ -372,6 +304,62 @@ def with_policy(
         return to_output(result, flow.called_with(positional, caller))
 
     return wrapped
+
+
+def _tracer(
+    target: Callable,
+    entry: str,
+    made_key: MadeKey,
+    interceptor: Callable,
+    op_rules: Any,
+    scaled: bool,
+    call_args: tuple,
+) -> Callable[[_Call], tuple[Any, Flow]]:
+    """How a linen entry point's call runs, given its record: through the
+    engine (its products decided where the call's mode rewrites them), its
+    flow recorded."""
+    first, args, kwargs = call_args
+    policy = made_key.policy
+
+    def run(first: Any, args: tuple, kwargs: dict) -> Any:
+        return target(first, *args, **kwargs)
+
+    def traced(call: _Call) -> tuple[Any, Flow]:
+        variables = first
+        if entry == "apply":
+            model = target.__self__  # type: ignore[attr-defined]
+            variables = variables_as_made(model, made_key, interceptor, call_args, call)
+        values = (variables, args, kwargs) if scaled else ()
+        rules = op_rules if call.mode.rewrite else None
+        with _calling(policy, call, interceptor, values):
+            try:
+                return trace_and_eval(run, (variables, args, kwargs), rules, flow=True)
+            except (TypeError, ValueError) as e:
+                if entry == "apply":
+                    explain_state_dtypes(e, variables, policy)
+                raise
+
+    return traced
+
+
+def _run(
+    traced: Callable[[_Call], tuple[Any, Flow]], mode: CallMode, entry: str, model: nn.Module
+) -> tuple[Any, Flow, _Call]:
+    """`traced`'s result, flow and call record, run as `mode` says, or where that
+    fails, once more with a third party's modules' fields as written
+    (`casting.run_as_written`, the one re-run of a call, with its warning)."""
+    call = _Call(mode)
+    try:
+        result, flow = traced(call)
+    except Exception as error:
+        # A lifted loop (`nn.scan(fn, ...)`, `nn.while_loop`) whose body the
+        # fields made change its carry: the engine keeps carries, the fields go.
+        carry = isinstance(error, TypeError) and jax_internals.is_loop_carry_type_change(error)
+        if not (carry or (entry == "apply" and call.set_third_party_fields)):
+            raise
+        call = _Call(dataclasses.replace(mode, as_written=True, fields_unset=carry))
+        result, flow = casting.run_as_written(error, lambda: traced(call), model)
+    return result, flow, call
 
 
 def _check_function(fn: Any) -> None:

@@ -17,7 +17,7 @@ import jax
 from jmp_policy.core.policy import Policy
 from jmp_policy.engine.decision import policy_products
 from jmp_policy.engine.interpreter import product_scope
-from jmp_policy.integrations import casting
+from jmp_policy.integrations import casting, flax_internals
 from jmp_policy.integrations.linen.arguments import _keeper
 from jmp_policy.integrations.linen.call import (
     _ACTIVE_POLICY,
@@ -52,7 +52,7 @@ def _promotion(module: nn.Module) -> contextlib.AbstractContextManager:
     float32 carry, as a model's own half-precision config does; strict dtype
     promotion, where the caller set it, would reject both.
     """
-    if casting.is_flax_module(module) and hasattr(module, "dtype"):
+    if flax_internals.is_flax_module(module) and hasattr(module, "dtype"):
         return jax.numpy_dtype_promotion("standard")
     return contextlib.nullcontext()
 
@@ -74,7 +74,7 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
         inherited = _ACTIVE_POLICY.get()
         policy, named = _module_policy(module, rules, inherited, call)
         if call.configured is None and context.method_name != "setup":
-            call.configured = casting.configures_dtypes(module)  # The model's own.
+            call.configured = flax_internals.configures_dtypes(module)  # The model's own.
         # What the module computes itself: statistics the hand config keeps
         # in float32 stay so; the modules it calls take `policy`.
         own = policy if named else casting.own_policy(module, policy)
@@ -83,23 +83,23 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
         )
         overrides = casting.attribute_overrides(module, own, keep_dtype=as_built)
         changes = any(getattr(module, k) is not v for k, v in overrides.items())
-        if changes and not casting.is_flax_layer(module):
-            if call.as_written:
+        if changes and not flax_internals.is_flax_layer(module):
+            if call.mode.as_written:
                 overrides = {}
             call.set_third_party_fields = True
-        if call.fields_unset:
+        if call.mode.fields_unset:
             overrides = {}
-        overrides.update(casting.matmul_overrides(module, own, rewritten=call.rewrite))
+        overrides.update(casting.matmul_overrides(module, own, rewritten=call.mode.rewrite))
         saved = {name: getattr(module, name) for name in overrides}
         token = _ACTIVE_POLICY.set(policy)
         # The model's own call: the first one, `setup` aside (Flax runs it first).
-        top = call.top and context.method_name != "setup"
-        call.top = call.top and not top
+        top = call.mode.model_first and not call.seen_top and context.method_name != "setup"
+        call.seen_top = call.seen_top or top
         given = args
         # Inputs keep their dtypes (the layers cast what they compute with),
         # except those of a module a rule names, but not the model's
         # arguments that `keep_inputs` names.
-        keep = _keeper(context.orig_method, call.keep_inputs) if top else lambda key: False
+        keep = _keeper(context.orig_method, call.mode.keep_inputs) if top else lambda key: False
         if casting.casts_inputs(module, named):
             args, kwargs = casting.cast_inputs(policy, args, kwargs, keep)
         # Linen modules are frozen dataclasses: set the attributes for the
@@ -109,7 +109,7 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
         # A module whose products take another compute or matmul dtype than
         # its parent's marks them for the op-level rewrite (see `with_policy`).
         products = policy_products(own)
-        scoped = call.rewrite and products != call.products[-1]
+        scoped = call.mode.rewrite and products != call.products[-1]
         scope = product_scope(*products) if scoped else contextlib.nullcontext()
         call.products.append(products)
         try:

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy.core import jax_internals
 from jmp_policy.core.dtypes import is_float
 from jmp_policy.core.policy import Policy
-from jmp_policy.integrations.linen import flax_internals
-from jmp_policy.integrations.linen.call import _Call, _calling
+from jmp_policy.engine.interpreter import traced_widened_where_refused, widened
+from jmp_policy.integrations import flax_internals
+from jmp_policy.integrations.linen.call import CallMode, _Call, _calling
 
 # What `apply` takes that `init` does not.
 _APPLY_ONLY = ("mutable", "rngs", "capture_intermediates")
@@ -56,20 +56,12 @@ def _made_dtypes(
         key = jax.random.key(0)
         return model.init({"params": key, **dict.fromkeys(streams, key)}, *a, **k)
 
-    made = _Call(frozenset(), as_written=call.as_written, fields_unset=call.fields_unset)
+    made = _Call(CallMode(as_written=call.mode.as_written, fields_unset=call.mode.fields_unset))
     try:
         with flax_internals.interceptors_set_aside(), _calling(policy, made, interceptor):
-            try:
-                shapes = _shapes_of(init, args, kwargs)
-            except TypeError as e:
-                # A float32 model refuses to write into a half cache it is given;
-                # its parameters are made alike with the cache in float32.
-                if not jax_internals.is_write_dtype_mismatch(e):
-                    raise
-                try:
-                    shapes = _shapes_of(init, *_widened((args, kwargs)))
-                except Exception:
-                    raise e from None  # The refused write, as `_own_draws` says it.
+            # A float32 model refuses to write into a half cache it is given;
+            # its parameters are made alike with the cache in float32.
+            shapes = traced_widened_where_refused(lambda v: _shapes_of(init, *v), (args, kwargs))
     except Exception as e:  # Raised unchanged (a user's own error), with where it arose.
         call.set_third_party_fields = made.set_third_party_fields
         e.add_note(
@@ -147,11 +139,11 @@ class _MadeDtypes:
         full, records = self._key(key, args, kwargs), self._records(model)
         return None if full is None or records is None else records.get(full)
 
-    def of_the_same_parameters(self, model: Any, policy_key: tuple, paths: set) -> dict | None:
-        """Dtypes recorded for `model` under the policy and rules `policy_key` by any
-        call whose parameters have exactly `paths` (the same parameters), or None."""
-        for (key, _, _), dtypes in (self._records(model) or {}).items():
-            if key[: len(policy_key)] == policy_key and set(dtypes) == paths:
+    def of_the_same_parameters(self, model: Any, key: tuple, paths: set) -> dict | None:
+        """Dtypes recorded for `model` under `key` (the policy, rules and mode) by
+        any call whose parameters have exactly `paths` (the same parameters), or None."""
+        for (recorded, _, _), dtypes in (self._records(model) or {}).items():
+            if recorded == key and set(dtypes) == paths:
                 return dtypes
         return None
 
@@ -164,11 +156,56 @@ class _MadeDtypes:
 _MADE = _MadeDtypes()
 
 
+class MadeKey(NamedTuple):
+    """What the dtypes a model makes its parameters in depend on, the call aside."""
+
+    policy: Policy
+    rules: tuple
+
+
+def variables_as_made(
+    model: nn.Module, made_key: MadeKey, interceptor: Callable, call_args: tuple, call: _Call
+) -> Any:
+    """An `apply`'s variables (`call_args[0]`) with each parameter in the dtype
+    the model makes it in under the policy."""
+    variables, args, kwargs = call_args
+    if not flax_internals.looks_like_variables(variables):
+        return variables
+    key = (*made_key, call.mode.as_written, call.mode.fields_unset)
+    # Recorded by a call of the same structure, else by `with_policy(model.init)`
+    # for the same parameters (`init` may not run on a cached decoding step's
+    # arguments), else found by an abstract `init`.
+    dtypes = _MADE.get(model, key, args, kwargs)
+    if dtypes is None:
+        paths = set(_dtypes_by_path(variables["params"]))
+        dtypes = _MADE.of_the_same_parameters(model, key, paths)
+    if dtypes is None:
+        dtypes = _made_dtypes(model, made_key.policy, interceptor, args, kwargs, call)
+    _MADE.put(model, key, args, kwargs, dtypes)
+    return {**variables, "params": _read_in(variables["params"], dtypes)}
+
+
+def variables_made(
+    target: Callable, entry: str, made_key: MadeKey, call_args: tuple, made: Any, call: _Call
+) -> Any:
+    """The variables an `init` under the policy made: the model's own draws
+    (`_own_draws`), each parameter in its owner's param dtype; its dtypes
+    recorded for the `apply`s to come."""
+    if not flax_internals.looks_like_variables(made):
+        return made
+    model, (_, args, kwargs) = target.__self__, call_args  # type: ignore[attr-defined]
+    key = (*made_key, call.mode.as_written, call.mode.fields_unset)
+    _MADE.put(model, key, args, kwargs, _dtypes_by_path(made["params"]))
+    own = _own_draws(target, entry, call_args, made["params"])
+    return _params_to_owner_dtypes({**made, "params": own}, call.owners, made_key.policy)
+
+
 def _shapes_of(fn: Callable, args: tuple, kwargs: dict) -> Any:
     """`jax.eval_shape(fn, *args, **kwargs)`, only the arrays abstract (a
     `train=False` flag stays a Python value)."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
-    at = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+    arrays = (jax.Array, np.ndarray, jax.ShapeDtypeStruct)
+    at = [i for i, x in enumerate(leaves) if isinstance(x, arrays)]
 
     def on(*arrays: Any) -> Any:
         full = list(leaves)
@@ -190,9 +227,9 @@ def _own_draws(target: Callable, entry: str, call: tuple[Any, tuple, dict], made
     under a half param dtype; float32 where its author set a half
     `param_dtype`) has other random values: it gets the plain `init`'s, cast
     after. Only then is `init` run a second time;
-    which parameters differ is read from an abstract plain `init`. Arguments
-    only the policy's model takes (a half cache the float32 model would
-    write float32 into) are given to it in float32.
+    which parameters differ is read from an abstract plain `init`. Its
+    floating arguments are given to it in float32, as to the float32 model
+    it is (which would write float32 into a half cache given to it).
 
     Raises:
       The plain `init`'s own error, with a note, where it cannot run.
@@ -205,17 +242,13 @@ def _own_draws(target: Callable, entry: str, call: tuple[Any, tuple, dict], made
         return (out if entry == "init" else out[1])["params"]
 
     try:
-        own = _shapes_of(plain, args, kwargs)
-    except (TypeError, ValueError) as error:
-        args, kwargs = _widened((args, kwargs))
-        try:
-            own = _shapes_of(plain, args, kwargs)
-        except Exception:
-            error.add_note(
-                "with_policy was running the model's own init (also with its floating "
-                "arguments in float32) to draw its parameters as it does."
-            )
-            raise error from None
+        own = _shapes_of(plain, *widened((args, kwargs), abstract=True))
+    except Exception as error:
+        error.add_note(
+            "with_policy was running the model's own init (its floating arguments in "
+            "float32) to draw its parameters as it does."
+        )
+        raise
     own_leaves, made_leaves = _by_path(own), _by_path(made)
     if {k: x.shape for k, x in own_leaves.items()} != {k: x.shape for k, x in made_leaves.items()}:
         raise ValueError(
@@ -227,18 +260,8 @@ def _own_draws(target: Callable, entry: str, call: tuple[Any, tuple, dict], made
     # under a float32 policy), a parameter's random values differ.
     if all(made_leaves[k].dtype == x.dtype for k, x in own_leaves.items()):
         return made  # The same draws.
+    args, kwargs = widened((args, kwargs), abstract=False)
     return plain(*args, **kwargs)
-
-
-def _widened(tree: Any) -> Any:
-    """`tree`, its floating arrays narrower than float32 in float32."""
-
-    def widen(x: Any) -> Any:
-        if is_float(x) and np.dtype(x.dtype).itemsize < 4:
-            return jnp.asarray(x, np.float32)
-        return x
-
-    return jax.tree.map(widen, tree)
 
 
 def _params_to_owner_dtypes(

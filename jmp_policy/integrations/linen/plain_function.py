@@ -9,7 +9,7 @@ was applied to each, and those the program gives a model as its variables
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,10 +20,11 @@ from jmp_policy.core.policy import Policy
 from jmp_policy.engine.data_flow import Flow
 from jmp_policy.engine.decision import product_rules
 from jmp_policy.engine.interpreter import trace_and_eval
-from jmp_policy.integrations import casting
+from jmp_policy.integrations import casting, flax_internals
 from jmp_policy.integrations.linen.arguments import _keeper
 from jmp_policy.integrations.linen.call import (
     _CALL,
+    CallMode,
     _Call,
     _calling,
     _identity,
@@ -48,7 +49,11 @@ def _plain_function(
         # variables (a mapping with "params"): modules cast their parameters
         # themselves, and `batch_stats` stay float32. Cast inside the traced
         # program, what comes back from an argument is seen to.
-        variables = [k for k in (*range(len(args)), *kwargs) if _is_variables((args, kwargs), k)]
+        variables = [
+            k
+            for k in (*range(len(args)), *kwargs)
+            if flax_internals.looks_like_variables(args[k] if isinstance(k, int) else kwargs[k])
+        ]
         keeps = lambda k: keep(k) or k in variables or k in uncast  # noqa: E731
         cast_args, cast_kwargs = casting.cast_inputs(policy, args, kwargs, keeps)
         for k, value in (*enumerate(cast_args), *cast_kwargs.items()):
@@ -66,7 +71,7 @@ def _plain_function(
         _refuse_nnx_modules(args, kwargs)
         uncast: frozenset = frozenset()
         while True:
-            call = _Call(frozenset(), rewrite=True, top=False)
+            call = _Call(CallMode(rewrite=True, model_first=False))
             cast_ids: dict[int, int | str] = {}
             run = functools.partial(call_fn, uncast=uncast, cast_ids=cast_ids)
             try:
@@ -85,12 +90,6 @@ def _plain_function(
             uncast |= variables
 
     return wrapped
-
-
-def _is_variables(args_kwargs: tuple[tuple, dict], key: int | str) -> bool:
-    args, kwargs = args_kwargs
-    value = args[key] if isinstance(key, int) else kwargs[key]
-    return isinstance(value, Mapping) and "params" in value
 
 
 def _check_bound_as_variables(keys: list, args: tuple, kwargs: dict, call: _Call) -> None:
