@@ -180,15 +180,20 @@ def maxtext() -> dict[str, dict[str, int]]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+# A front end held against the own config of the same form of the model, where
+# there is one (MaxText's linen `TransformerLinen` for `with_policy`).
+OWN_FORM = {"with_policy": "own config (linen)"}
+
+
 def print_rows(label: str, figures: dict[str, int], targeted: bool = True) -> bool:
     """Prints one model's figures against its own config's; whether all hold."""
-    own, held = figures["own config"], True
+    held = True
     for name, value in figures.items():
-        ratio = value / own
-        short = targeted and name != "own config" and ratio > TARGET
+        ratio = value / figures.get(OWN_FORM.get(name, ""), figures["own config"])
+        short = targeted and not name.startswith("own config") and ratio > TARGET
         held = held and not short
         mark = "  FALLS SHORT" if short else ""
-        print(f"{label:<42} {name:<13} {value:>10,}  {ratio:.3f}{mark}")
+        print(f"{label:<42} {name:<18} {value:>10,}  {ratio:.3f}{mark}")
     return held
 
 
@@ -208,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         f"model's own half config; jax {jax.__version__}, {jax.default_backend()}, "
         f"{platform.machine()}"
     )
-    print(f"{'model, policy':<42} {'front end':<13} {'saved bytes':>10}  x own config")
-    print("-" * 80)
+    print(f"{'model, policy':<42} {'front end':<18} {'saved bytes':>10}  x own config")
+    print("-" * 85)
     held = True
     for model in MODELS:
         for policy in POLICIES:

@@ -5,8 +5,9 @@ A tiny llama2 and mixtral (4 experts, 2 a token) decoder built by MaxText's
 own `pyconfig` and `model_creation_utils`, with `scan_layers` on and off and
 `remat_policy` minimal and full: the bytes `jax.grad` of the loss saves for
 its backward pass, arguments left out (`saved_residuals`), for the own
-config, `jmp_policy.nnx.PolicyModule`, linen `with_policy` (MaxText's
-`TransformerLinen`) and `autocast` (of the NNX model). Prints one JSON line:
+config (and its linen form, `TransformerLinen`, with the same variables),
+`jmp_policy.nnx.PolicyModule`, linen `with_policy` (of `TransformerLinen`)
+and `autocast` (of the NNX model). Prints one JSON line:
 `{"llama2 scan=... remat=...": {"own config": bytes, front end: bytes}}`.
 Run apart, with MaxText first on the path (`checks.run_apart`), by
 benchmarks/saved_bytes.py and tests/test_maxtext.py.
@@ -129,10 +130,17 @@ def figures(block: str, scan: bool, remat: str) -> dict[str, int]:
         nnx.update(own, nnx.state(model, nnx.Param))
         mixed = jmp_policy.nnx.PolicyModule(model, POLICY)
         linen = model_creation_utils.from_config(f32_config, mesh=mesh, model_mode="train")
+        own_linen = model_creation_utils.from_config(own_config, mesh=mesh, model_mode="train")
         variables = linen.init(jax.random.key(0), TOKENS, POSITIONS, SEGMENTS, **KWARGS)
         with_policy = jmp.with_policy(linen.apply, POLICY)
         out = {
             "own config": saved_bytes(*nnx_forward(own, None)),
+            # The linen form of the model (`ToLinen`) saves what its NNX layers
+            # see through `ToLinen` (the kernels' sharding constraints): the
+            # own config `with_policy` is held against.
+            "own config (linen)": saved_bytes(
+                lambda v: own_linen.apply(v, TOKENS, POSITIONS, SEGMENTS, **KWARGS), variables
+            ),
             "PolicyModule": saved_bytes(*nnx_forward(mixed, None)),
             "with_policy": saved_bytes(
                 lambda v: with_policy(v, TOKENS, POSITIONS, SEGMENTS, **KWARGS), variables
