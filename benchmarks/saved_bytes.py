@@ -22,6 +22,13 @@ float32 value meets a half one (float16 has not float32's range).
                 batch 8 x 32 tokens of width 64) mapped over the batch:
                 own = its parameters cast to the compute dtype (Equinox has
                 no dtype field; mpx and the Equinox docs do this); `autocast`
+  MaxText       tiny llama2 and mixtral, `scan_layers` and `remat_policy`
+                (tests/corpus/maxtext_saved.py): own = `dtype=bfloat16`;
+                `PolicyModule`, `with_policy` (its linen form, held against
+                that form's own config), `autocast`
+  EasyDeL       a tiny Llama (tests/corpus/easydel_saved.py): own =
+                `dtype=bfloat16` with its attention in bfloat16;
+                `PolicyModule`, `autocast`
 
 Usage::
 
@@ -163,15 +170,16 @@ def figures(model: str, policy: str, measure: Callable[..., int] = saved_bytes) 
 
 
 ROOT = Path(__file__).resolve().parent.parent
-MAXTEXT = ROOT / ".venv" / "maxtext"  # What `./run` installs apart (its pins clash).
+# What `./run` installs apart (their pins clash with this project's).
+MAXTEXT, EASYDEL = ROOT / ".venv" / "maxtext", ROOT / ".venv" / "easydel"
 
 
-def maxtext() -> dict[str, dict[str, int]]:
-    """Saved bytes of MaxText's llama2 and mixtral, by layout and front end, from
-    tests/corpus/maxtext_saved.py run with MaxText first on the path."""
-    path = os.pathsep.join(str(p) for p in (MAXTEXT, ROOT / "tests", ROOT))
+def run_apart(script: str, packages: Path) -> Any:
+    """The JSON line tests/corpus/`script` prints last, run with `packages` first
+    on the path: saved bytes by front end (MaxText's: by layout too)."""
+    path = os.pathsep.join(str(p) for p in (packages, ROOT / "tests", ROOT))
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "corpus" / "maxtext_saved.py")],
+        [sys.executable, str(ROOT / "tests" / "corpus" / script)],
         env={**os.environ, "PYTHONPATH": path},
         capture_output=True,
         text=True,
@@ -223,10 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_maxtext:
         pass
     elif (MAXTEXT / "maxtext").is_dir():
-        for layout, found in maxtext().items():
+        for layout, found in run_apart("maxtext_saved.py", MAXTEXT).items():
             held = print_rows(f"MaxText {layout}", found) and held
     else:
         print("MaxText: not installed (./run puts it in .venv/maxtext)")
+    if (EASYDEL / "easydel").is_dir():
+        held = print_rows("EasyDeL llama", run_apart("easydel_saved.py", EASYDEL)) and held
+    else:
+        print("EasyDeL: not installed (./run puts it in .venv/easydel)")
     verdict = "holds" if held else "FALLS SHORT"
     print(f"every front end <= {TARGET} x the own config's saved bytes, bfloat16: {verdict}")
     if args.h200:

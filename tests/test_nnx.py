@@ -773,3 +773,19 @@ def test_a_scoped_module_keeps_its_class_in_the_callers_model():
     assert eager.dtype == jitted.dtype == jnp.float32
     assert [type(m) for m in mixed.module.layers] == [nnx.Linear, nnx.Linear]
     assert [type(m) for m in model.layers] == [nnx.Linear, nnx.Linear]
+
+
+@pytest.mark.parametrize("front_end", ["PolicyModule", "autocast"])
+def test_state_merged_inside_grad_is_written_back_only_where_the_call_wrote(front_end):
+    # EasyDeL's trainer: parameters and the rest split, merged inside the
+    # loss. The `Rngs` count a Dropout of rate 0 never draws from belongs to
+    # the outer trace: writing it back (unchanged) raised TraceContextError.
+    model = nnx.Sequential(nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.Dropout(0.0, rngs=nnx.Rngs(1)))
+    call = lambda m: m(jnp.ones((2, 3)))  # noqa: E731
+    if front_end == "PolicyModule":
+        model = jnnx.PolicyModule(model, "mixed_bfloat16")
+    else:
+        call = jmp.autocast(call, "mixed_bfloat16")
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    grads = jax.jit(jax.grad(lambda p: call(nnx.merge(graphdef, p, rest)).sum()))(params)
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))

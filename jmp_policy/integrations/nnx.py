@@ -595,24 +595,27 @@ def autocast_with_state(run: Callable, fn: Callable, args: tuple, kwargs: dict) 
 
     def pure(traced_state, others):
         new_nodes = nnx.merge(graphdef, traced_state)
-        given_params = jax.tree.leaves(nnx.state(new_nodes, nnx.Param))
+        given = {id(v.get_value()) for v in _variables(new_nodes)}
         full = list(others)
         for i, node in zip(at, new_nodes):
             full[i] = node
         head, a, k = jax.tree.unflatten(treedef, full)
         out = head(*a, **k) if call is None else call(head, *a, **k)
-        # What a call updates (statistics, PRNG counters, caches), in the
-        # dtypes the variables have. Parameters only where the call wrote
-        # them (as plain NNX would): writing back the others would fail for a
-        # module that a jitted function closes over.
-        now = jax.tree.leaves(nnx.state(new_nodes, nnx.Param))
-        written = any(x is not given for x, given in zip(now, given_params))
-        updated = nnx.state(new_nodes, ...) if written else nnx.state(new_nodes, nnx.Not(nnx.Param))
+        # What the call updates (statistics, PRNG counters, caches), in the
+        # dtypes the variables have: only the variables it wrote, as plain
+        # NNX would. Writing back the others would fail where they belong to
+        # another trace (a module a jitted function closes over, a state
+        # merged inside `jax.grad`).
+        updated = nnx.state(new_nodes, lambda _, v: id(v.get_value()) not in given)
         return out, as_given(updated, state)
 
     out, new_state = run(pure, (state, others), {})
     nnx.update(nodes, new_state)
     return out
+
+
+def _variables(nodes: Any) -> list[nnx.Variable]:
+    return [v for _, v in nnx.iter_graph(nodes) if isinstance(v, nnx.Variable)]
 
 
 def _explain_cache_dtypes(error: Exception, module: nnx.Module, policy: Policy) -> None:
