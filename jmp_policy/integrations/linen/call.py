@@ -58,7 +58,7 @@ class _Call:
     # Whether the policy set a dtype field of a third party's own module.
     set_third_party_fields: bool = False
     seen_top: bool = False  # The model's own call has been intercepted.
-    # Whether the model has a dtype config (`casting.configures_dtypes`); None
+    # Whether the model has a dtype config (`flax_internals.configures_dtypes`); None
     # until its own call.
     configured: bool | None = None
     paths: set[str] = dataclasses.field(default_factory=set)  # Module paths seen.
