@@ -170,14 +170,14 @@ def test_nnx_methods_run_in_a_context_on_a_merged_copy_only():
     model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)
-    fi.run_methods_in(copy.layers[0], "probe", context)
+    fi.run_methods_in(copy.layers[0], context, ())
     copy(jnp.ones((1, 2)))
     assert entered == [1]
     assert isinstance(copy.layers[0], nnx.Linear) and type(model.layers[0]) is nnx.Linear
     assert nnx.state(copy) == nnx.state(model)  # Its state, paths and all, are the class's.
     other = nnx.merge(graphdef, state)
-    fi.run_methods_in(other.layers[0], "probe", context)
-    assert type(other.layers[0]) is type(copy.layers[0])  # One subclass per class and key.
+    fi.run_methods_in(other.layers[0], context, ())
+    assert type(other.layers[0]) is type(copy.layers[0])  # One subclass per class and context.
 
 
 def test_no_module_but_the_seam_reads_flax_internals():

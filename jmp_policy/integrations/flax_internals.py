@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -181,35 +182,33 @@ def interceptors_set_aside() -> Iterator[None]:
 
 # Methods every NNX module has (`train`, `sow`, ...): not a layer's own maths.
 _MODULE_METHODS = frozenset(dir(nnx.Module)) - {"__call__"}
-# One subclass per class and context: made once, not at every call.
-_IN_CONTEXT: dict[tuple[type, Any], type] = {}
 
 
-def run_methods_in(module: nnx.Module, key: Any, context: Callable[[], Any]) -> None:
-    """Makes `module`'s own methods run inside `context()` (a context manager).
+def run_methods_in(module: nnx.Module, context: Callable[..., Any], args: tuple) -> None:
+    """Makes `module`'s own methods run inside `context(*args)` (a context manager).
 
     NNX has no method interceptors: `module` (the copy a traced call merged,
-    never the caller's) gets a subclass of its own class, one per class and
-    `key`, whose methods enter the context and call the class's, looked up
-    at each call (never stale).
+    never the caller's) gets a subclass of its own class whose methods enter
+    the context and call the class's, looked up at each call (never stale).
     """
-    cls = type(module)
-    if (cls, key) not in _IN_CONTEXT:
+    module.__class__ = _in_context(type(module), context, args)
 
-        def in_context(name: str) -> Callable:
-            def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-                with context():
-                    return getattr(super(subclass, self), name)(*args, **kwargs)
 
-            return method
+@functools.lru_cache(maxsize=1024)  # Made once per class and context, not at every call.
+def _in_context(cls: type, context: Callable[..., Any], args: tuple) -> type:
+    def in_context(name: str) -> Callable:
+        def method(self: Any, *a: Any, **k: Any) -> Any:
+            with context(*args):
+                return getattr(super(subclass, self), name)(*a, **k)
 
-        names = [
-            n
-            for n in dir(cls)
-            if n not in _MODULE_METHODS
-            and (n == "__call__" or not n.startswith("__"))
-            and inspect.isfunction(getattr(cls, n, None))
-        ]
-        subclass = type(cls.__name__, (cls,), {n: in_context(n) for n in names})
-        _IN_CONTEXT[cls, key] = subclass
-    module.__class__ = _IN_CONTEXT[cls, key]
+        return method
+
+    names = [
+        n
+        for n in dir(cls)
+        if n not in _MODULE_METHODS
+        and (n == "__call__" or not n.startswith("__"))
+        and inspect.isfunction(getattr(cls, n, None))
+    ]
+    subclass = type(cls.__name__, (cls,), {n: in_context(n) for n in names})
+    return subclass

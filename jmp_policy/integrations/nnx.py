@@ -518,7 +518,7 @@ class _CallPlan:
 
 def _run_in_product_scope(module: nnx.Module, products: Products) -> None:
     """Makes `module`'s own methods trace their products in `product_scope(*products)`."""
-    flax_internals.run_methods_in(module, products, lambda: product_scope(*products))
+    flax_internals.run_methods_in(module, product_scope, products)
 
 
 def _positional_names(method: Callable, names: frozenset[str]) -> tuple[str, ...]:
