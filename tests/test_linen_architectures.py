@@ -680,3 +680,23 @@ def test_an_init_whose_own_form_cannot_run_is_said():
     with pytest.raises(ValueError, match="only in bfloat16") as info:  # Was: the policy's draws.
         init(jax.random.key(0), jnp.ones((1, 3), F32))
     assert any("model's own init" in note for note in info.value.__notes__)
+
+
+def test_apply_reads_the_dtypes_its_policys_init_recorded():
+    # The dtypes `with_policy(model.init)` made the parameters in serve the
+    # `apply`s under the same policy: no abstract `init` runs again for them.
+    traces: list = []
+
+    class Traced(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            traces.append(1)  # Python: once per trace.
+            return nn.Dense(2)(x)
+
+    model, x = Traced(), jnp.ones((1, 3), F32)  # Records live as long as the model.
+    variables = with_policy(model.init, "mixed_bfloat16")(jax.random.key(0), x)
+    traces.clear()
+    assert with_policy(model.apply, "mixed_bfloat16")(variables, x).dtype == F32
+    assert len(traces) == 1  # Was 2: an abstract init, then the call.
+    with_policy(model.apply, "bf16")(variables, x)  # Another policy: its own init.
+    assert len(traces) == 3
