@@ -30,5 +30,6 @@ collect_ignore = [
     "corpus/maxtext_saved.py",
     "corpus/kerashub_check.py",
     "corpus/easydel_check.py",
+    "corpus/easydel_saved.py",
     "corpus/figures.py",
 ]
