@@ -58,23 +58,15 @@ def test_cast_jax_float_array(src, method, jit):
     _assert_values(out)
 
 
+@pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("src", FLOATS, ids=str)
-def test_cast_numpy_float_array_stays_numpy(src, method):
-    """Numpy float arrays (f64 included) are cast and stay numpy arrays."""
+def test_cast_numpy_float_array(src, method, jit):
+    """Numpy float arrays (f64 included) are cast and stay numpy arrays; under
+    jit a numpy float argument is a tracer and is cast like one."""
     x = np.asarray(VALUES, dtype=src)
-    out = getattr(POLICY, method)(x)
-    assert type(out) is np.ndarray
-    assert out.dtype == METHODS[method]
-    _assert_values(out)
-
-
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("src", FLOATS, ids=str)
-def test_cast_numpy_float_array_under_jit(src, method):
-    """Under jit a numpy float argument is a tracer and is cast like one."""
-    x = np.asarray(VALUES, dtype=src)
-    out = jax.jit(getattr(POLICY, method))(x)
+    out = (jax.jit(getattr(POLICY, method)) if jit else getattr(POLICY, method))(x)
+    assert isinstance(out, jax.Array) if jit else type(out) is np.ndarray
     assert out.dtype == METHODS[method]
     _assert_values(out)
 
