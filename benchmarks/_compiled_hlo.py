@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -43,6 +44,7 @@ class Instruction:
     opcode: str
     operands: tuple[str, ...]
     attributes: str
+    arguments: str = ""  # What is between the parentheses: `0` for `parameter(0)`.
 
     @property
     def element_type(self) -> str:
@@ -107,7 +109,7 @@ def _split_instruction(name: str, rest: str) -> Instruction | None:
         return None
     end = _closing(rest, depth=1)
     operands = tuple(re.findall(r"%([\w.\-]+)", rest[:end]))
-    return Instruction(name, type_, opcode.strip(), operands, rest[end + 1 :])
+    return Instruction(name, type_, opcode.strip(), operands, rest[end + 1 :], rest[:end])
 
 
 def computations(text: str) -> dict[str, list[Instruction]]:
@@ -235,6 +237,136 @@ def _readers(name: str, by_operand: dict[str, list[Instruction]]) -> int:
         else:
             count += 1
     return count
+
+
+ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")  # An array type's element and dims.
+# Scheduled instructions that launch no kernel: names, views, control flow.
+_NO_KERNEL = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
+    "conditional", "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id",
+}  # fmt: skip
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+# The computations a scheduled instruction runs, and how often: a loop's
+# body its trip count, its condition once more.
+_RUNS = re.compile(r"(body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_SLICES = ("dynamic-slice", "slice")
+
+
+def element_bytes(hlo_type: str) -> float:
+    """The bytes of one element of an HLO element type: `pred` 1, else its bit
+    width over 8 (`f32` 4, `bf16` 2, `f8e4m3fn` 1, `f4e2m1fn` 0.5)."""
+    if hlo_type == "pred":
+        return 1.0
+    bits = re.match(r"[a-z]+?(\d+)", hlo_type)
+    if bits is None:
+        raise ValueError(f"no bit width in the HLO element type {hlo_type!r}")
+    return int(bits[1]) / 8
+
+
+def type_bytes(type_: str) -> float:
+    """The bytes of every array in an HLO type (`f32[8,16]{1,0}`, a tuple of them)."""
+    return sum(
+        element_bytes(element) * math.prod(int(d) for d in dims.split(",") if d)
+        for element, dims in ARRAY.findall(type_)
+        if element != "token"  # An ordering, no data.
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """What a compiled program's kernels move in one run: launches, and bytes
+    read and written (operands and results), GEMMs apart from the rest."""
+
+    kernels: int
+    gemm_bytes: float
+    other_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.gemm_bytes + self.other_bytes
+
+
+def traffic(text: str) -> Traffic:
+    """The `Traffic` of an optimised HLO module: every kernel its schedule
+    launches (the entry's, and a loop body's times its trip count), with the
+    bytes of its operands and results. A fused computation that reads a
+    parameter only through slices (a scanned layer's weights) counts the
+    slices; one whose result is a `dynamic-update-slice` of a parameter
+    writes in place: the update, not the buffer. A cuBLAS call's workspace
+    is not counted."""
+    comps = computations(text)
+    entry = next(line for line in text.splitlines() if line.startswith("ENTRY"))
+    kernels, moved = 0, {"gemm": 0.0, "other": 0.0}
+    pending = [(_HEADER.match(entry)[1], 1)]  # type: ignore[index]
+    while pending:
+        name, times = pending.pop()
+        body = comps.get(name, [])
+        types = {i.name: i.type for i in body}
+        elements = {i.name: i.element_type for i in body}
+        for i in body:
+            trips = int(m[1]) if (m := _TRIP_COUNT.search(i.attributes)) else 1
+            if i.opcode in ("while", "call", "conditional"):
+                for part, called in _RUNS.findall(i.attributes):
+                    pending.append((called, times * (trips + (part == "condition"))))
+            for branches in _BRANCHES.findall(i.attributes):
+                pending += [(b.strip().lstrip("%"), times) for b in branches.split(",")]
+            if i.opcode in _NO_KERNEL or i.opcode.endswith("-done"):
+                continue  # An asynchronous kernel is counted at its `-start`.
+            gemm = _gemm(i, elements, comps)
+            kernels += times
+            moved["gemm" if gemm else "other"] += times * _kernel_bytes(i, types, comps, gemm)
+    return Traffic(kernels, moved["gemm"], moved["other"])
+
+
+def _kernel_bytes(
+    i: Instruction, types: dict[str, str], comps: dict[str, list[Instruction]], gemm: Gemm | None
+) -> float:
+    """The bytes one launch of the kernel `i` reads and writes."""
+    called = _CALLS.search(i.attributes)
+    if called:
+        fused = comps.get(called[1], [])
+    else:  # A lone instruction reads its operands as a fused one its parameters.
+        fused = [Instruction(o, types.get(o, ""), "parameter", (), "", str(n))
+                 for n, o in enumerate(i.operands)] + [i]  # fmt: skip
+    params = {int(p.arguments): p.name for p in fused if p.opcode == "parameter"}
+    by_name = {p.name: p for p in fused}
+    root, in_place = fused[-1], None
+    written = root.type  # A `fusion-start`'s own type holds its operands too.
+    if gemm is not None and written.startswith("("):
+        written = ARRAY.search(written)[0]  # type: ignore[index]  # Not the workspace.
+    if root.opcode == "dynamic-update-slice":  # In place: the buffer is neither read nor copied.
+        in_place = _through_views(root.operands[0], by_name)
+        written = by_name[root.operands[1]].type
+    total = type_bytes(written)
+    for n, operand in enumerate(i.operands):
+        param = params.get(n)
+        if param is None:
+            total += type_bytes(types.get(operand, ""))
+        elif param != in_place:
+            total += _read_bytes(param, fused, by_name)
+    return total
+
+
+def _through_views(name: str, by_name: dict[str, Instruction]) -> str:
+    """The value `name` is a view (bitcast) of."""
+    while name in by_name and by_name[name].opcode == "bitcast":
+        name = by_name[name].operands[0]
+    return name
+
+
+def _read_bytes(param: str, fused: list[Instruction], by_name: dict[str, Instruction]) -> float:
+    """The bytes a fused computation reads of its parameter `param`: the
+    slices it takes, where it reads it only through slices (or views of them)."""
+    readers = [
+        r for r in fused
+        if r.opcode != "bitcast" and any(_through_views(o, by_name) == param for o in r.operands)
+    ]  # fmt: skip
+    if readers and all(
+        r.opcode in _SLICES and _through_views(r.operands[0], by_name) == param for r in readers
+    ):
+        return sum(type_bytes(r.type) for r in readers)
+    return type_bytes(by_name[param].type)
 
 
 def unread_parameters(text: str) -> list[int]:

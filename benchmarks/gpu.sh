@@ -5,10 +5,12 @@
 #
 #   benchmarks/gpu.sh                                   # from anywhere; no installs
 #   OUT=/some/dir benchmarks/gpu.sh                     # log + JSON there (else ./results)
+#   JMP_POLICY_BENCH_SIZE=wide benchmarks/gpu.sh        # width 4096, 4 layers
 #   JMP_POLICY_BENCH_SIZE=tiny benchmarks/gpu.sh        # seconds on a CPU: a smoke test
 #   benchmarks/gpu.sh --lower-only                      # no GPU: the StableHLO's products
 #   benchmarks/gpu.sh --compile-only [--targets h200_sxm] [--backends default]
-#       no GPU: every variant compiled for an H100 and an H200 (memory, GEMM kernels);
+#       no GPU: every variant compiled for an H100 and an H200 (memory, GEMM kernels,
+#       each step's kernel traffic; --size wide for width 4096);
 #       needs the CUDA plugin for the installed jaxlib, which ./run puts in
 #       .venv/cuda-plugin (used from there when present); ~30 min on 2 cores
 #   benchmarks/gpu.sh --compile-only --devices 8 [--targets h200_sxm] [--layouts fsdp,tp_rows]

@@ -88,18 +88,6 @@ LAYOUTS = ("fsdp", "dp", "tp", "fsdp_tp", "tp_rows", "explicit_auto")
 BATCH, SEQ = 16, 32
 
 
-def element_bytes(hlo_type: str) -> float:
-    """The bytes of one element of an HLO element type: `pred` 1, else its bit
-    width over 8 (`f32` 4, `bf16` 2, `f8e4m3fn` 1, `f4e2m1fn` 0.5)."""
-    if hlo_type == "pred":
-        return 1.0
-    bits = re.match(r"[a-z]+?(\d+)", hlo_type)
-    if bits is None:
-        raise ValueError(f"no bit width in the HLO element type {hlo_type!r}")
-    return int(bits[1]) / 8
-
-
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 # Collectives by opcode: the share of the result's bytes a ring sends per
 # device, given the group size n (async pairs count at their `-done`).
 _RING: dict[str, Callable[[int], float]] = {
@@ -260,8 +248,10 @@ def collectives(hlo: str, devices: int) -> list[Collective]:
             # A `-done`'s groups are its start's.
             source = starts.get(i.operands[0], i) if i.opcode.endswith("-done") else i
             by_type: dict[str, float] = {}
-            for t, dims in _ARRAY.findall(i.type):
-                size = element_bytes(t) * math.prod(int(d) for d in dims.split(",") if d)
+            for t, dims in _compiled_hlo.ARRAY.findall(i.type):
+                size = _compiled_hlo.element_bytes(t) * math.prod(
+                    int(d) for d in dims.split(",") if d
+                )
                 by_type[t] = by_type.get(t, 0.0) + size
             group = group_size(source.attributes, devices)
             found.append(Collective(kind, tuple(sorted(by_type.items())), group))

@@ -30,9 +30,19 @@ temporary memory than saving the operands, and than mixed_bfloat16; row-wise
 FP8 reads its GEMMs' results no more often than `m=bf16` does (its scales
 ride in the epilogue or in passes the program makes anyway).
 
+What a step's kernels move (`_compiled_hlo.traffic`): each kernel launch's
+operand and result bytes, a loop body's times its trip count, GEMMs apart
+from the rest, printed as ratios to `mixed_bfloat16`: FP8's GEMMs read half
+bf16's bytes, and what its scaling adds (amax reductions, scaled casts,
+transposes of the FP8 copies) must not give that back. Targets: FP8's
+non-GEMM bytes at most bf16's, its total at most 0.9x, its launches at
+most 1.15x. A figure of the memory traffic, not a timing.
+
 Usage::
 
     benchmarks/gpu.sh --compile-only                 # both GPUs, every variant
+    benchmarks/gpu.sh --compile-only --size wide --targets h200_sxm \
+        --variants "with_policy mixed_bfloat16,policy mixed_float8"   # width 4096
     PYTHONPATH=. python benchmarks/gpu_compile.py --targets h200_sxm
 """
 
@@ -110,6 +120,7 @@ class Row:
     argument_bytes: int
     output_bytes: int
     program: _compiled_hlo.Program
+    traffic: _compiled_hlo.Traffic
     compile_s: float
 
 
@@ -132,12 +143,14 @@ def compile_variant(name: str, cfg: bench.Config, device: Any, options: dict[str
         compiled = jax.jit(step).trace(params, state, tokens).lower().compile(options)
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
+    text = compiled.as_text()
     return Row(
         name,
         int(memory.temp_size_in_bytes),
         int(memory.argument_size_in_bytes),
         int(memory.output_size_in_bytes),
-        _compiled_hlo.read(compiled.as_text()),
+        _compiled_hlo.read(text),
+        _compiled_hlo.traffic(text),
         seconds,
     )
 
@@ -202,6 +215,23 @@ def verdicts(rows: dict[str, Row]) -> list[tuple[str, bool | None]]:
         (bench.FP8, bench.WITH_POLICY),
         lambda f, b: f.temp_bytes < b.temp_bytes,
     )
+    # What FP8 must save to pay: its scaling no more traffic than bf16's
+    # non-GEMM kernels, the whole step 10% less, few extra launches.
+    target(
+        "mixed_float8 non-GEMM kernel bytes <= 1.0 x mixed_bfloat16's",
+        (bench.FP8, bench.WITH_POLICY),
+        lambda f, b: f.traffic.other_bytes <= b.traffic.other_bytes,
+    )
+    target(
+        "mixed_float8 kernel bytes <= 0.9 x mixed_bfloat16's",
+        (bench.FP8, bench.WITH_POLICY),
+        lambda f, b: f.traffic.total_bytes <= 0.9 * b.traffic.total_bytes,
+    )
+    target(
+        "mixed_float8 kernel launches <= 1.15 x mixed_bfloat16's",
+        (bench.FP8, bench.WITH_POLICY),
+        lambda f, b: f.traffic.kernels <= 1.15 * b.traffic.kernels,
+    )
     target(
         "rowwise FP8 scales in the epilogue or a fused pass (GEMM-result reads <= m=bf16's)",
         (ROWWISE, M_BF16),
@@ -234,9 +264,33 @@ def print_table(gpu: str, backend: str, rows: dict[str, Row], log: Any) -> list[
             f"{r.program.gemm_result_readers:>10} {r.program.other_dots:>10} "
             f"{r.compile_s:>9.1f}  {_gemm_text(r.program)}"
         )
+    _print_traffic(rows, unit, per, log)
     found = verdicts(rows)
     log_verdicts(found, log)
     return found
+
+
+def _print_traffic(rows: dict[str, Row], unit: str, per: float, log: Any) -> None:
+    """What each variant's kernels move in one step, and as ratios to mixed_bfloat16's."""
+    base = rows.get(bench.WITH_POLICY)
+    log(
+        f"{'kernel traffic per step':<29} {'launches':>8} {'GEMM ' + unit:>8} "
+        f"{'other ' + unit:>8} {'total ' + unit:>8}   x {bench.WITH_POLICY}: "
+        "launches, GEMM, other, total"
+    )
+    for r in rows.values():
+        t = r.traffic
+        ratios = ""
+        if base is not None:
+            b = base.traffic
+            ratios = (
+                f"{t.kernels / b.kernels:.2f} {t.gemm_bytes / b.gemm_bytes:.2f} "
+                f"{t.other_bytes / b.other_bytes:.2f} {t.total_bytes / b.total_bytes:.2f}"
+            )
+        log(
+            f"{r.variant:<29} {t.kernels:>8} {t.gemm_bytes / per:>8.2f} "
+            f"{t.other_bytes / per:>8.2f} {t.total_bytes / per:>8.2f}   {ratios}"
+        )
 
 
 def log_verdicts(found: list[tuple[str, bool | None]], log: Any) -> None:
@@ -263,6 +317,9 @@ def _row_json(r: Row) -> dict[str, Any]:
         "fusions": r.program.fusions,
         "gemm_result_readers": r.program.gemm_result_readers,
         "other_dots": r.program.other_dots,
+        "kernel_launches": r.traffic.kernels,
+        "gemm_kernel_bytes": r.traffic.gemm_bytes,
+        "other_kernel_bytes": r.traffic.other_bytes,
         "fp8_scale_operands": sum(g.scale_operands for g in r.program.gemms),
         "gemms": [{"kernel": k, "lhs": a, "rhs": b, "out": o, "count": n}
                   for (k, a, b, o), n in sorted(table.items())],
@@ -284,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Compiles the variants for each GPU and back end, prints the tables, writes the JSON.
 
     Args:
-      argv: `--size gpu|tiny` (default gpu; `--quick`: tiny, the H200, the
+      argv: `--size gpu|wide|tiny` (default gpu; `--quick`: tiny, the H200, the
         default back end), `--targets` and `--backends` (comma-separated),
         `--variants` (comma-separated names of `VARIANTS`), `--out DIR`
         (default `$OUT`, else ./results), `--require-cuda-plugin` (exit 1,
@@ -295,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     targets = target_configs()
     parser = argparse.ArgumentParser(prog="gpu_compile", description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=("gpu", "tiny"), default=None)
+    parser.add_argument("--size", choices=("gpu", "wide", "tiny"), default=None)
     parser.add_argument("--quick", action="store_true", help="tiny size, H200, default back end")
     parser.add_argument(
         "--targets", type=lambda t: _names(t, list(targets), "target"), default=None

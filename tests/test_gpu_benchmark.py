@@ -141,7 +141,7 @@ def test_bad_size_in_the_environment_is_a_usage_error(tmp_path):
         check=False,
     )
     assert run.returncode == 2
-    assert "JMP_POLICY_BENCH_SIZE: 'huge' is not one of auto, gpu, tiny" in run.stderr
+    assert "JMP_POLICY_BENCH_SIZE: 'huge' is not one of auto, gpu, wide, tiny" in run.stderr
     assert not (tmp_path / bench.JSON_NAME).exists()
 
 

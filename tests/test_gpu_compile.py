@@ -107,6 +107,91 @@ def test_the_gemms_of_an_optimised_module():
     assert program.other_dots == 1  # The product in an elementwise kernel, not a GEMM.
 
 
+LOOP_HLO = """\
+HloModule jit_loop
+
+%fused_slice (p0: bf16[4,16,32], p1: s32[]) -> bf16[16,32] {
+  %p0 = bf16[4,16,32]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c0 = s32[] constant(0)
+  %ds = bf16[1,16,32]{2,1,0} dynamic-slice(%p0, %p1, %c0, %c0), dynamic_slice_sizes={1,16,32}
+  ROOT %b = bf16[16,32]{1,0} bitcast(%ds)
+}
+
+%fused_gemm (r0: bf16[16,32], r1: bf16[32,8]) -> f32[16,8] {
+  %r0 = bf16[16,32]{1,0} parameter(0)
+  %r1 = bf16[32,8]{1,0} parameter(1)
+  ROOT %dot = f32[16,8]{1,0} dot(%r0, %r1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_update (q0: f32[4,16,8], q1: f32[16,8], q2: s32[]) -> f32[4,16,8] {
+  %q0 = f32[4,16,8]{2,1,0} parameter(0)
+  %q1 = f32[16,8]{1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  %u = f32[1,16,8]{2,1,0} bitcast(%q1)
+  ROOT %dus = f32[4,16,8]{2,1,0} dynamic-update-slice(%q0, %u, %q2, %c, %c)
+}
+
+%fused_neg (n0: f32[4,16,8]) -> f32[4,16,8] {
+  %n0 = f32[4,16,8]{2,1,0} parameter(0)
+  ROOT %neg = f32[4,16,8]{2,1,0} negate(%n0)
+}
+
+%body (t: (s32[], bf16[4,16,32], bf16[32,8], f32[4,16,8])) -> (s32[], bf16[4,16,32], bf16[32,8], f32[4,16,8]) {
+  %t = (s32[], bf16[4,16,32]{2,1,0}, bf16[32,8]{1,0}, f32[4,16,8]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %w = bf16[4,16,32]{2,1,0} get-tuple-element(%t), index=1
+  %x = bf16[32,8]{1,0} get-tuple-element(%t), index=2
+  %acc = f32[4,16,8]{2,1,0} get-tuple-element(%t), index=3
+  %slice_fusion = bf16[16,32]{1,0} fusion(%w, %i), kind=kLoop, calls=%fused_slice
+  %gemm_fusion = f32[16,8]{1,0} fusion(%slice_fusion, %x), kind=kCustom, calls=%fused_gemm, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %update_fusion = f32[4,16,8]{2,1,0} fusion(%acc, %gemm_fusion, %i), kind=kLoop, calls=%fused_update
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], bf16[4,16,32]{2,1,0}, bf16[32,8]{1,0}, f32[4,16,8]{2,1,0}) tuple(%next, %w, %x, %update_fusion)
+}
+
+%cond (c: (s32[], bf16[4,16,32], bf16[32,8], f32[4,16,8])) -> pred[] {
+  %c = (s32[], bf16[4,16,32]{2,1,0}, bf16[32,8]{1,0}, f32[4,16,8]{2,1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %four = s32[] constant(4)
+  ROOT %lt = pred[] compare(%ci, %four), direction=LT
+}
+
+ENTRY %main (w: bf16[4,16,32], x: bf16[32,8], acc: f32[4,16,8]) -> f32[4,16,8] {
+  %w = bf16[4,16,32]{2,1,0} parameter(0)
+  %x = bf16[32,8]{1,0} parameter(1)
+  %acc = f32[4,16,8]{2,1,0} parameter(2)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[4,16,32]{2,1,0}, bf16[32,8]{1,0}, f32[4,16,8]{2,1,0}) tuple(%zero, %w, %x, %acc)
+  %loop = (s32[], bf16[4,16,32]{2,1,0}, bf16[32,8]{1,0}, f32[4,16,8]{2,1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %res = f32[4,16,8]{2,1,0} get-tuple-element(%loop), index=3
+  %start = ((f32[4,16,8]{2,1,0}), f32[4,16,8]{2,1,0}, u32[]) fusion-start(%res), kind=kLoop, calls=%fused_neg
+  ROOT %done = f32[4,16,8]{2,1,0} fusion-done(%start)
+}
+"""
+
+
+def test_what_a_steps_kernels_move():
+    found = _compiled_hlo.traffic(LOOP_HLO)
+    # Per trip (4): the slice kernel reads one layer of the stacked weights
+    # (16 x 32 bf16, not all 4) and its index, writes the slice; the GEMM
+    # reads both operands and writes 16 x 8 f32; the update writes its slice
+    # in place (reads the GEMM's result and the index, not the buffer); the
+    # induction variable's add. The condition runs 5 times; after the loop
+    # one asynchronous kernel, counted once (at its start), reads and writes
+    # 4 x 16 x 8 f32.
+    per_trip = (1024 + 4 + 1024) + (512 + 4 + 512) + (4 + 4 + 4)
+    assert found.kernels == 4 * 4 + 5 + 1
+    assert found.gemm_bytes == 4 * (1024 + 512 + 512)
+    assert found.other_bytes == 4 * per_trip + 5 * (4 + 4 + 1) + 2 * 2048
+    assert (
+        _compiled_hlo.type_bytes("(f8e4m3fn[4,8]{1,0}, bf16[2], pred[3], f4e2m1fn[4])")
+        == 32 + 4 + 3 + 2
+    )
+
+
 def test_an_unknown_target_or_variant_is_a_usage_error(capsys):
     for argv in (["--targets", "h900"], ["--variants", "bf17"], ["--backends", "tpu"]):
         with pytest.raises(SystemExit) as info:
@@ -153,9 +238,12 @@ def test_compile_only_prints_the_table_with_its_verdicts(tmp_path):
     # Measured at this size: 2.42 MB against 2.70 MB (the GPU size: 8.78 GB, 10.26 GB).
     assert "  holds: mixed_float8 saves FP8 copies: temp memory < with its operands saved" in lines
     assert "  n/a: rowwise FP8 scales in the epilogue or a fused pass" in " ".join(lines)
+    assert any(line.startswith("kernel traffic per step") for line in lines)
+    assert any("mixed_float8 kernel launches <= 1.15 x" in line for line in lines)
     figures = json.loads((tmp_path / gpu_compile.JSON_NAME).read_text())
     result = figures["targets"]["h200_sxm"]["default"]["variants"][variant]
     assert result["temp_bytes"] > 0 and result["argument_bytes"] > 0
+    assert result["kernel_launches"] > 0 and result["gemm_kernel_bytes"] > 0
     kinds = {(g["lhs"], g["rhs"], g["out"]) for g in result["gemms"]}
     assert all(a.startswith("f8") and b.startswith("f8") for a, b, _ in kinds), kinds
     # Results in the reduce dtype (bf16 under mixed_float8), written by the FP8
@@ -199,12 +287,12 @@ def test_the_collectives_and_their_bytes_are_read_from_the_hlo():
     assert summary["collectives"] == 4 and summary["all_reduces"] == 2
     assert summary["scalar_all_reduces"] == 1
     # Element bytes from the type's bit width: the FP8 and FP4 types too.
-    sizes = {t: gpu_collectives.element_bytes(t) for t in
+    sizes = {t: _compiled_hlo.element_bytes(t) for t in
              ("f32", "bf16", "f8e4m3fn", "f8e5m2", "f8e8m0fnu", "f4e2m1fn", "s64", "pred")}  # fmt: skip
     assert sizes == {"f32": 4, "bf16": 2, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1,
                      "f4e2m1fn": 0.5, "s64": 8, "pred": 1}  # fmt: skip
     with pytest.raises(ValueError, match="token"):
-        gpu_collectives.element_bytes("token")
+        _compiled_hlo.element_bytes("token")
 
 
 @pytest.mark.slow
