@@ -43,6 +43,7 @@ from jmp_policy.engine.products.half import (
     product_of,
 )
 from jmp_policy.engine.products.matmul_dtype import asks_full_precision
+from jmp_policy.engine.rerun import run_again_where_refused
 from jmp_policy.engine.residuals import residual_form, traced_for
 from jmp_policy.engine.stack_room import call_with_room
 
@@ -808,27 +809,37 @@ T = TypeVar("T")
 def traced_widened_where_refused(trace: Callable[[Any], T], values: Any) -> T:
     """`trace(values)`, or where JAX refuses the program as written on half
     values, `trace` of stand-ins for them in float32 (`widened`): what a
-    float32 program computes then fits its buffers.
+    float32 program computes then fits its buffers, and it runs on the
+    values as given. Said in a `RuntimeWarning` (`rerun`).
 
     JAX refuses a write into a buffer of another dtype (a bf16 cache given to
     a float32 program) and a loop whose float32 body changes a bf16 carry
-    given to it. The one place a program is traced again after a failure;
-    every other error is raised as it came.
+    given to it; every other error is raised as it came.
 
     Raises:
       The refusal, with a note, where the widened trace fails too.
     """
-    try:
-        return trace(values)
-    except TypeError as e:
-        if not (ji.is_write_dtype_mismatch(e) or ji.is_loop_carry_type_change(e)):
-            raise
-        refused = e
-    try:
-        return trace(widened(values, abstract=True))
-    except Exception:
-        refused.add_note("Traced with its floating arguments in float32, it failed too.")
-        raise refused from None
+
+    def refused(e: Exception) -> bool:
+        return isinstance(e, TypeError) and (
+            ji.is_write_dtype_mismatch(e) or ji.is_loop_carry_type_change(e)
+        )
+
+    def says(e: Exception) -> str:
+        return (
+            f"jmp_policy: the program refuses the half values it is given as written "
+            f"({type(e).__name__}: {e}); it is traced with its floating arguments in "
+            "float32 and runs on the values as given: each write takes its buffer's "
+            "dtype, each loop carry the dtype it came in."
+        )
+
+    return run_again_where_refused(
+        lambda: trace(values),
+        lambda _: trace(widened(values, abstract=True)),
+        refused=refused,
+        says=says,
+        note="Traced with its floating arguments in float32, it failed too.",
+    )
 
 
 def widened(values: Any, *, abstract: bool) -> Any:

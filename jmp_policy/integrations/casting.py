@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -44,6 +43,7 @@ from jmp_policy.engine.products.matmul_dtype import (
     matmul_dot_general,
     traced_dot_general,
 )
+from jmp_policy.engine.rerun import run_again_where_refused
 
 T = TypeVar("T")
 
@@ -61,35 +61,33 @@ def keeps_its_dtypes(module: Any) -> bool:
     return any(is_complex(getattr(module, k, None)) for k in ("dtype", "param_dtype"))
 
 
-def run_as_written(error: Exception, run: Callable[[], T], model: Any) -> T:
-    """`run()`: the call again, a third party's own modules' dtype fields as
-    their author wrote them, after the call with the policy's in them failed
-    with `error`.
+def run_as_written(
+    run: Callable[[], T],
+    as_written: Callable[[Exception], T],
+    refused: Callable[[Exception], bool],
+    model: Any,
+) -> T:
+    """`run()`, or where it fails as `refused` says, `as_written(error)`: the
+    call again, a third party's own modules' dtype fields as their author
+    wrote them (`rerun`).
 
     Such a module may keep dtypes in fields of its own that the policy does
     not set (MaxText's rotary `fprop_dtype`) and check that they agree with
     `dtype`. Run as written, every product is still in the policy's dtypes
     (the engine decides); the values between products are in the model's
     own. Says so in a `RuntimeWarning`; where the call fails this way too,
-    `error` is raised unchanged (the model's own error).
+    the first error is raised unchanged (the model's own error).
     """
-    try:
-        out = run()
-    except Exception:
-        failed = True
-    else:
-        failed = False
-    if failed:
-        raise error  # Outside the handler: its cause and context as they were.
-    warnings.warn(
-        f"jmp_policy: {type(model).__name__} fails with the policy's dtypes in its "
-        f"modules' fields ({type(error).__name__}: {error}); it runs with them as written, "
-        "every product in the policy's dtypes, the values between products in the "
-        "model's own.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-    return out
+
+    def says(error: Exception) -> str:
+        return (
+            f"jmp_policy: {type(model).__name__} fails with the policy's dtypes in its "
+            f"modules' fields ({type(error).__name__}: {error}); it runs with them as "
+            "written, every product in the policy's dtypes, the values between products "
+            "in the model's own."
+        )
+
+    return run_again_where_refused(run, as_written, refused=refused, says=says)
 
 
 # Modules whose own maths are statistics the model's own half config keeps in

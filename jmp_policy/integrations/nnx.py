@@ -447,18 +447,28 @@ class PolicyModule(nnx.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         caller = jax_internals.caller_frame()  # A loop's, where this module is its body.
+
+        def as_written(error: Exception) -> tuple:
+            return self._traced(args, kwargs, self._written_after(error), caller)
+
         try:
-            out, flow = self._traced(args, kwargs, (), caller)
-        except Exception as error:
-            carry = isinstance(error, TypeError) and jax_internals.is_loop_carry_type_change(error)
-            written = self._all_as_written if carry else self._as_written
-            if not written:
-                _explain_cache_dtypes(error, self.module, self.policy)
-                raise
             out, flow = casting.run_as_written(
-                error, lambda: self._traced(args, kwargs, written, caller), self.module
+                lambda: self._traced(args, kwargs, (), caller),
+                as_written,
+                lambda error: bool(self._written_after(error)),
+                self.module,
             )
+        except Exception as error:
+            if not self._written_after(error):
+                _explain_cache_dtypes(error, self.module, self.policy)
+            raise
         return cast_results(out, flow, self.policy.cast_to_output, returns_state=self.returns_state)
+
+    def _written_after(self, error: Exception) -> tuple:
+        """The modules' fields run as written after `error`: every module's where
+        the policy's changed a loop's carry, else a third party's own."""
+        carry = isinstance(error, TypeError) and jax_internals.is_loop_carry_type_change(error)
+        return self._all_as_written if carry else self._as_written
 
     def _traced(
         self, args: tuple, kwargs: dict, as_written: tuple, caller: Any

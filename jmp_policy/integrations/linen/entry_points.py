@@ -347,19 +347,26 @@ def _run(
 ) -> tuple[Any, Flow, _Call]:
     """`traced`'s result, flow and call record, run as `mode` says, or where that
     fails, once more with a third party's modules' fields as written
-    (`casting.run_as_written`, the one re-run of a call, with its warning)."""
-    call = _Call(mode)
-    try:
-        result, flow = traced(call)
-    except Exception as error:
+    (`casting.run_as_written`, through the one path that runs a call again)."""
+    first = _Call(mode)
+
+    def run(call: _Call) -> tuple[Any, Flow, _Call]:
+        return (*traced(call), call)
+
+    def refused(error: Exception) -> bool:
+        return _changes_a_carry(error) or (entry == "apply" and first.set_third_party_fields)
+
+    def as_written(error: Exception) -> tuple[Any, Flow, _Call]:
         # A lifted loop (`nn.scan(fn, ...)`, `nn.while_loop`) whose body the
         # fields made change its carry: the engine keeps carries, the fields go.
-        carry = isinstance(error, TypeError) and jax_internals.is_loop_carry_type_change(error)
-        if not (carry or (entry == "apply" and call.set_third_party_fields)):
-            raise
-        call = _Call(dataclasses.replace(mode, as_written=True, fields_unset=carry))
-        result, flow = casting.run_as_written(error, lambda: traced(call), model)
-    return result, flow, call
+        carry = _changes_a_carry(error)
+        return run(_Call(dataclasses.replace(mode, as_written=True, fields_unset=carry)))
+
+    return casting.run_as_written(lambda: run(first), as_written, refused, model)
+
+
+def _changes_a_carry(error: Exception) -> bool:
+    return isinstance(error, TypeError) and jax_internals.is_loop_carry_type_change(error)
 
 
 def _check_function(fn: Any) -> None:
