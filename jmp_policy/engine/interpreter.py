@@ -826,9 +826,11 @@ def traced_widened_where_refused(trace: Callable[[Any], T], values: Any) -> T:
         )
 
     def says(e: Exception) -> str:
+        # JAX's first line only: the same text for every call of the program,
+        # which Python's default warning filters show once.
         return (
             f"jmp_policy: the program refuses the half values it is given as written "
-            f"({type(e).__name__}: {e}); it is traced with its floating arguments in "
+            f"({str(e).splitlines()[0]}); it is traced with its floating arguments in "
             "float32 and runs on the values as given: each write takes its buffer's "
             "dtype, each loop carry the dtype it came in."
         )
