@@ -210,9 +210,13 @@ def is_forward_mode_of_custom_vjp(error: TypeError) -> bool:
     return "forward-mode" in text and "custom_vjp" in text
 
 
-def is_loop_carry_type_change(error: TypeError) -> bool:
+def is_loop_carry_type_change(error: Exception) -> bool:
     """Whether `error` is JAX refusing a loop body that changes its carry's type."""
-    return "carry input and carry output must have equal types" in str(error)
+    text = str(error)
+    return (
+        isinstance(error, TypeError)
+        and "carry input and carry output must have equal types" in text
+    )
 
 
 def is_dtype_mismatch(error: Exception) -> bool:

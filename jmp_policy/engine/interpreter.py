@@ -821,9 +821,7 @@ def traced_widened_where_refused(trace: Callable[[Any], T], values: Any) -> T:
     """
 
     def refused(e: Exception) -> bool:
-        return isinstance(e, TypeError) and (
-            ji.is_write_dtype_mismatch(e) or ji.is_loop_carry_type_change(e)
-        )
+        return ji.is_write_dtype_mismatch(e) or ji.is_loop_carry_type_change(e)
 
     def says(e: Exception) -> str:
         # JAX's first line only: the same text for every call of the program,

@@ -467,7 +467,7 @@ class PolicyModule(nnx.Module):
     def _written_after(self, error: Exception) -> tuple:
         """The modules' fields run as written after `error`: every module's where
         the policy's changed a loop's carry, else a third party's own."""
-        carry = isinstance(error, TypeError) and jax_internals.is_loop_carry_type_change(error)
+        carry = jax_internals.is_loop_carry_type_change(error)
         return self._all_as_written if carry else self._as_written
 
     def _traced(

@@ -354,19 +354,16 @@ def _run(
         return (*traced(call), call)
 
     def refused(error: Exception) -> bool:
-        return _changes_a_carry(error) or (entry == "apply" and first.set_third_party_fields)
+        carry = jax_internals.is_loop_carry_type_change(error)
+        return carry or (entry == "apply" and first.set_third_party_fields)
 
     def as_written(error: Exception) -> tuple[Any, Flow, _Call]:
         # A lifted loop (`nn.scan(fn, ...)`, `nn.while_loop`) whose body the
         # fields made change its carry: the engine keeps carries, the fields go.
-        carry = _changes_a_carry(error)
+        carry = jax_internals.is_loop_carry_type_change(error)
         return run(_Call(dataclasses.replace(mode, as_written=True, fields_unset=carry)))
 
     return casting.run_as_written(lambda: run(first), as_written, refused, model)
-
-
-def _changes_a_carry(error: Exception) -> bool:
-    return isinstance(error, TypeError) and jax_internals.is_loop_carry_type_change(error)
 
 
 def _check_function(fn: Any) -> None:
