@@ -68,9 +68,11 @@ def test_maxtext_products_take_one_dtype_in_every_front_end():
         assert all(p == by_front_end["nnx"] for p in by_front_end.values()), (policy, by_front_end)
 
 
-def test_autocast_saves_no_more_than_maxtexts_own_bf16_config():
+def test_autocast_and_with_policy_save_no_more_than_maxtexts_own_bf16_config():
     # tests/corpus/maxtext_saved.py: bytes saved for the backward pass under
     # mixed_bfloat16, by layout (scan_layers, remat_policy) and front end.
+    # `with_policy` runs the linen form, its NNX layers behind `ToLinen`
+    # where no dtype field reaches them, held against that form's own config.
     path = os.pathsep.join([str(MAXTEXT), str(ROOT / "tests"), str(ROOT)])
     with tempfile.TemporaryDirectory() as tmp:
         done = subprocess.run(
@@ -89,3 +91,4 @@ def test_autocast_saves_no_more_than_maxtexts_own_bf16_config():
         if layout.startswith("mixtral") and layout.endswith("remat=minimal"):
             continue
         assert figures["autocast"] <= 1.02 * figures["own config"], (layout, figures)
+        assert figures["with_policy"] <= 1.02 * figures["own config (linen)"], (layout, figures)

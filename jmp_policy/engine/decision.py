@@ -90,6 +90,11 @@ class Rules:
     # The dtype a rewritten product's results leave it in (what a sharded
     # program sums across devices); None: the compute dtype.
     reduce_dtype: np.dtype | None = None
+    # The front ends: the program is traced with the policy's dtype fields
+    # set, so what is half as traced is the model's own half config's doing:
+    # a float32-set operation on it computes in float32 and rounds back, a
+    # lookup keeps the dtype its layer gives.
+    fields_set: bool = False
     # autocast's `rules=`: (a regex searched in an operation's named-scope
     # path, the rules there, None for as written), the first match winning.
     by_scope: tuple[tuple[str, Rules | None], ...] = ()
@@ -167,8 +172,17 @@ def product_rules(policy: Policy, *, scaled_scopes: bool) -> Rules:
     """A front end's op-level rewrite under `policy`: every product takes its
     compute dtype (where its operands are wider) or its matmul dtype, except
     inside a `product_scope` (a module a rule gives other ones; with
-    `scaled_scopes`, one may name an FP8 or FP4 matmul dtype)."""
+    `scaled_scopes`, one may name an FP8 or FP4 matmul dtype). Under a
+    bfloat16 compute dtype the values between products follow `autocast`'s
+    lists too, so a layer no dtype field reaches stays in half as the
+    model's own half config keeps it (`Rules.fields_set`)."""
     c, m, scaling, r = policy_products(policy)
-    return matmul_rules(
+    rules = matmul_rules(
         m, scaling, scoped=True, scaled_scopes=scaled_scopes, compute_dtype=c, reduce_dtype=r
+    )
+    if c.itemsize >= _F32.itemsize or np.finfo(c).maxexp < np.finfo(_F32).maxexp:
+        # float32 and float16 compute: only the products, as the fields trace them.
+        return rules
+    return dataclasses.replace(
+        rules, float32=FLOAT32_PRIMITIVES, promote=PROMOTE_PRIMITIVES, fields_set=True
     )

@@ -426,9 +426,9 @@ def _results_dtype(eqn, reduce_dtype):
 
 def _leaves_in(eqn, rules, results):
     """The dtype a rewritten product's result leaves it in: the program's
-    under a front end that rewrites only products (its layers' dtype fields
-    say the rest); under `autocast`, `results` where the program's operands
-    are wider (its float32 is the trace's, not the author's: `_between_products`)."""
+    where only products are rewritten (`matmuls_in`, the front ends under
+    float16); else `results` where the program's operands are wider (their
+    float32 is the trace's, not the author's: `_between_products`)."""
     out_dtype = eqn.outvars[0].aval.dtype
     if rules.only_products or not all(
         ji.shaped(v).dtype.itemsize > results.itemsize for v in eqn.invars[:2]
@@ -686,16 +686,20 @@ def _between_products(
     """The dtype an operation on values the engine made narrower than the
     program's gives its results in, or None (as the rules compute them).
 
-    A product's result under `autocast` is in the compute dtype (`_leaves_in`);
+    A product's rewritten result is in the compute dtype (`_leaves_in`);
     what the model computes from it stays there, as in the model's own half
     config: a bias, a parameter or a float32 statistic it meets joins it
     (computed in the wider dtype, rounded once), and a float32-set operation
     on it (an exponential, GELU's cube) computes in float32 and rounds back
     once, where the half config computes it in half. A sum or product over
     many values (`STATISTICS`) stays float32. So for bfloat16 (and the FP8
-    policies, which compute in it); not for float16 (below).
+    policies, which compute in it); not for float16 (below). Under a front
+    end (`Rules.fields_set`) a float32-set operation on what the fields made
+    half rounds back too: the own config computes it in half.
     """
     narrowed = [invals[i].dtype for i in floats if _narrowed(eqn, invals, i)]
+    if rules.fields_set and eqn.primitive.name in rules.float32:
+        narrowed += [invals[i].dtype for i in floats if invals[i].dtype.itemsize < _F32.itemsize]
     if not narrowed or eqn.primitive.name in STATISTICS:
         return None
     back = widest(narrowed)

@@ -330,11 +330,12 @@ class PolicyModule(nnx.Module):
     precision. Only where a rule names the module are its floating arguments
     cast to the rule's compute dtype, except those `keep_inputs` names;
     integers, booleans and complex arrays never are. Its products are
-    decided at the level of operations (`matmuls_in`), whatever the layers'
-    fields say: a product whose operands are wider than its module's compute
-    dtype takes them in it (a rotary embedding keeping `fprop_dtype`, a linen
-    layer behind `nnx.bridge.ToNNX`), and a matmul dtype every product (`@`
-    and `jnp.einsum` in model code, attention). A module a rule gives other
+    decided at the level of operations, whatever the layers' fields say: a
+    product whose operands are wider than its module's compute dtype takes
+    them in it (a rotary embedding keeping `fprop_dtype`, a linen layer
+    behind `nnx.bridge.ToNNX`), and a matmul dtype every product (`@` and
+    `jnp.einsum` in model code, attention); under bfloat16 the values
+    between products follow `autocast`'s rule (see `product_rules`). A module a rule gives other
     dtypes than its parent's traces its methods' products in a
     `product_scope`. Its norms follow the dtype promotion in force at each
     call (float32 under strict, see `with_policy`). Both are set on the copy

@@ -8,10 +8,12 @@ Flax's layers cast what they compute with, values moving between modules
 keep their dtypes (`jmp_policy.integrations.casting` decides, for linen and
 NNX alike), and the carries of lifted loops (`nn.scan`, `nn.RNN`,
 `nn.while_loop`) keep theirs. Every product's dtype is decided by the
-op-level rewrite of the call (`matmuls_in`), the fields being only the usual
+op-level rewrite of the call (`product_rules`), the fields being only the usual
 route: a product whose operands are wider than its module's compute dtype
 takes it, and under a matmul dtype every product takes that; a module whose
 rule changes either marks its products with a name scope (`product_scope`).
+The values between products follow `autocast`'s rule under bfloat16, so a
+layer no field reaches (an NNX layer behind `ToLinen`) stays in half too.
 
 The package, one concern a module (read `entry_points` first):
 

@@ -16,7 +16,7 @@ import jax
 
 from jmp_policy.core.policy import Policy
 from jmp_policy.engine.decision import policy_products
-from jmp_policy.engine.interpreter import product_scope
+from jmp_policy.engine.interpreter import as_written, product_scope
 from jmp_policy.integrations import casting, flax_internals
 from jmp_policy.integrations.linen.arguments import _keeper
 from jmp_policy.integrations.linen.call import (
@@ -78,9 +78,10 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
         # What the module computes itself: statistics the hand config keeps
         # in float32 stay so; the modules it calls take `policy`.
         own = policy if named else casting.own_policy(module, policy)
-        as_built = own is not policy or casting.looks_up_as_built(
+        lookup_as_built = casting.looks_up_as_built(
             module, context.method_name, configured=bool(call.configured), named=named
         )
+        as_built = own is not policy or lookup_as_built
         overrides = casting.attribute_overrides(module, own, keep_dtype=as_built)
         changes = any(getattr(module, k) is not v for k, v in overrides.items())
         if changes and not flax_internals.is_flax_layer(module):
@@ -111,6 +112,8 @@ def _make_interceptor(rules: RuleSet, remat_norms: bool) -> Callable:
         products = policy_products(own)
         scoped = call.mode.rewrite and products != call.products[-1]
         scope = product_scope(*products) if scoped else contextlib.nullcontext()
+        if lookup_as_built:  # Also by the op-level rewrite, which takes lookups to half.
+            scope = as_written()
         call.products.append(products)
         try:
             if remat_norms and _should_remat(module, context.method_name, policy):
