@@ -95,6 +95,10 @@ class Rules:
     # a float32-set operation on it computes in float32 and rounds back, a
     # lookup keeps the dtype its layer gives.
     fields_set: bool = False
+    # The dtype a model's config names for its computation, where the model
+    # casts to it itself (MaxText's `cfg.dtype`): a cast of a half value to
+    # it is the config's, a no-op in the model's own half config.
+    config_dtype: np.dtype | None = None
     # autocast's `rules=`: (a regex searched in an operation's named-scope
     # path, the rules there, None for as written), the first match winning.
     by_scope: tuple[tuple[str, Rules | None], ...] = ()
@@ -168,18 +172,22 @@ def policy_products(policy: Policy) -> Products:
     return Products(c, m, policy.fp8_scaling, r)
 
 
-def product_rules(policy: Policy, *, scaled_scopes: bool) -> Rules:
+def product_rules(
+    policy: Policy, *, scaled_scopes: bool, config_dtype: np.dtype | None = None
+) -> Rules:
     """A front end's op-level rewrite under `policy`: every product takes its
     compute dtype (where its operands are wider) or its matmul dtype, except
     inside a `product_scope` (a module a rule gives other ones; with
     `scaled_scopes`, one may name an FP8 or FP4 matmul dtype). Under a
     bfloat16 compute dtype the values between products follow `autocast`'s
     lists too, so a layer no dtype field reaches stays in half as the
-    model's own half config keeps it (`Rules.fields_set`)."""
+    model's own half config keeps it (`Rules.fields_set`); a cast to
+    `config_dtype` of a half value leaves it half (`Rules.config_dtype`)."""
     c, m, scaling, r = policy_products(policy)
     rules = matmul_rules(
         m, scaling, scoped=True, scaled_scopes=scaled_scopes, compute_dtype=c, reduce_dtype=r
     )
+    rules = dataclasses.replace(rules, config_dtype=config_dtype)
     if c.itemsize >= _F32.itemsize or np.finfo(c).maxexp < np.finfo(_F32).maxexp:
         # float32 and float16 compute: only the products, as the fields trace them.
         return rules

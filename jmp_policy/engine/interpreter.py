@@ -573,6 +573,9 @@ def _apply(eqn, invals, rules, marks):
             # As traced, a no-op: a value the engine narrowed stays so (a
             # widening the program writes from a narrower dtype is the author's).
             return x
+        config = rules.config_dtype
+        if new_dtype == config and is_float(x) and x.dtype.itemsize < config.itemsize:
+            return x  # The config's cast, which its own half config does not widen.
         return ji.bind(eqn, invals)
     if prim in ji.WRITTEN_OPERAND and is_float(invals[0]):
         # A write keeps its buffer's dtype; what is written takes it.

@@ -30,9 +30,10 @@ import flax
 import jax
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES
+from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, floating_dtype_argument
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
 from jmp_policy.core.policy import Policy, get_policy, policy_argument
@@ -335,7 +336,11 @@ class PolicyModule(nnx.Module):
     them in it (a rotary embedding keeping `fprop_dtype`, a linen layer
     behind `nnx.bridge.ToNNX`), and a matmul dtype every product (`@` and
     `jnp.einsum` in model code, attention); under bfloat16 the values
-    between products follow `autocast`'s rule (see `product_rules`). A module a rule gives other
+    between products follow `autocast`'s rule (see `product_rules`). A cast
+    the model writes to its config's dtype (MaxText's `x.astype(cfg.dtype)`,
+    float32 in the float32 config a policy runs, a no-op in its own half
+    config) cannot be told from the author's own widening: `config_dtype`
+    names it. A module a rule gives other
     dtypes than its parent's traces its methods' products in a
     `product_scope`. Its norms follow the dtype promotion in force at each
     call (float32 under strict, see `with_policy`). Both are set on the copy
@@ -362,11 +367,16 @@ class PolicyModule(nnx.Module):
         part that is state (in the dtype of the argument it is built from,
         else as made), `False` for a result (the output dtype); None (the
         default) lets the state rule decide.
+      config_dtype: the dtype the model's own config names for its
+        computation where the model casts to it itself: a cast of a half
+        value to it leaves it half (its float32-set operations still compute
+        in float32). None (the default): every widening is the author's.
 
     Raises:
       TypeError, ValueError: as `with_policy`; TypeError if `keep_inputs` is
-        not argument names, ValueError if it names an argument `module.__call__`
-        does not have; when called, as `jmp_policy.engine.data_flow.cast_results`
+        not argument names or `config_dtype` not a floating dtype, ValueError
+        if it names an argument `module.__call__` does not have; when called,
+        as `jmp_policy.engine.data_flow.cast_results`
         for a `returns_state` that does not fit the result.
 
     >>> import jax, jax.numpy as jnp, optax
@@ -393,7 +403,9 @@ class PolicyModule(nnx.Module):
         rules: Rules | None = None,
         keep_inputs: str | Iterable[str] = (),
         returns_state: ReturnsState = None,
+        config_dtype: DTypeLike | None = None,
     ) -> None:
+        config = floating_dtype_argument(config_dtype, "config_dtype")
         self.policy = get_policy(policy_argument(policy))
         self.returns_state = returns_state
         self.module, policies, named, norms, written = _with_policy(module, self.policy, rules)
@@ -419,7 +431,7 @@ class PolicyModule(nnx.Module):
         # modules whose products a rule decides otherwise than their parent's
         # run their methods in a `product_scope` (see `_CallPlan`).
         scaled = any(p.matmul_dtype in SCALED_MATMUL_DTYPES for p in policies.values())
-        self._rules = product_rules(policies[()], scaled_scopes=scaled)
+        self._rules = product_rules(policies[()], scaled_scopes=scaled, config_dtype=config)
         self._scoped = tuple(
             (path, policy_products(policies[path]))
             for path in sorted(policies, key=_path_str)

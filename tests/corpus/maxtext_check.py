@@ -3,8 +3,10 @@
 against its own bf16 config, by `corpus/checks.py`'s measures.
 
 `python maxtext_check.py FRONT_END`: `nnx` (its NNX `Transformer` in a
-`jmp_policy.nnx.PolicyModule`), `linen` (its `TransformerLinen`, NNX wrapped
-for linen by its own `ToLinen`, through `with_policy`), `nnx-autocast` or
+`jmp_policy.nnx.PolicyModule`), `nnx-config` (the same, told that its casts
+to float32 are its config's `dtype`: `config_dtype=jnp.float32`), `linen`
+(its `TransformerLinen`, NNX wrapped for linen by its own `ToLinen`, through
+`with_policy`), `nnx-autocast` or
 `linen-autocast` (the same models through `autocast`). Run by
 tests/test_maxtext.py in a process of its own, with MaxText and what it
 imports first on the path, as `./run` installs them apart (`.venv/maxtext`):
@@ -51,7 +53,7 @@ POLICIES = (
     "mixed_float8",
     "mixed_mxfp8",
 )
-FRONT_ENDS = ("nnx", "linen", "nnx-autocast", "linen-autocast")
+FRONT_ENDS = ("nnx", "nnx-config", "linen", "nnx-autocast", "linen-autocast")
 B, T, PROMPT = 2, 16, 8
 VOCAB = 64
 TOKENS = jax.random.randint(jax.random.key(1), (B, T), 1, VOCAB)
@@ -122,8 +124,9 @@ def call_args(lo: int, hi: int, mode: str) -> tuple[tuple, dict]:
 
 
 class NNX:
-    def __init__(self, autocast: bool) -> None:
+    def __init__(self, autocast: bool, config_dtype: np.dtype | None = None) -> None:
         self.autocast = autocast
+        self.config_dtype = config_dtype
         self.model = nnx_model("float32")
         self.params = nnx.state(self.model, nnx.Param)
 
@@ -135,7 +138,7 @@ class NNX:
     def mixed(self, policy: str):
         if self.autocast:
             return self._forward(self.model, policy), self.params
-        mixed = jmp_policy.nnx.PolicyModule(self.model, policy)
+        mixed = jmp_policy.nnx.PolicyModule(self.model, policy, config_dtype=self.config_dtype)
         return self._forward(mixed, None), nnx.state(mixed, nnx.Param)
 
     def _forward(self, model: nnx.Module, policy: str | None):
@@ -162,7 +165,8 @@ class NNX:
         nnx.update(model, self.params)
         nnx.update(model, checks.cast_floats(nnx.state(model, nnx.Cache), dtype))
         if policy is not None and not self.autocast:
-            model, policy = jmp_policy.nnx.PolicyModule(model, policy), None
+            mixed = jmp_policy.nnx.PolicyModule(model, policy, config_dtype=self.config_dtype)
+            model, policy = mixed, None
         step = nnx.jit(self._caller(policy), static_argnames=("enable_dropout", "model_mode"))
         steps = [step(model, *call_args(0, PROMPT, "prefill")[0], **call_args(0, 0, "prefill")[1])]
         for i in range(PROMPT, T):
@@ -234,7 +238,11 @@ def loss(forward, params):
 
 
 def main(front_end: str) -> int:
-    model = (NNX if front_end.startswith("nnx") else Linen)(front_end.endswith("autocast"))
+    autocast = front_end.endswith("autocast")
+    if front_end == "nnx-config":
+        model = NNX(autocast, config_dtype=np.dtype(np.float32))
+    else:
+        model = (NNX if front_end.startswith("nnx") else Linen)(autocast)
     ref_forward, params = model.own("float32")
     ref = checks.jit(ref_forward)(params, TOKENS)
     own_errors, own_texts = {}, {}

@@ -6,7 +6,8 @@ own `pyconfig` and `model_creation_utils`, with `scan_layers` on and off and
 `remat_policy` minimal and full: the bytes `jax.grad` of the loss saves for
 its backward pass, arguments left out (`saved_residuals`), for the own
 config (and its linen form, `TransformerLinen`, with the same variables),
-`jmp_policy.nnx.PolicyModule`, linen `with_policy` (of `TransformerLinen`)
+`jmp_policy.nnx.PolicyModule` (told `config_dtype=jnp.float32`, MaxText's
+`cfg.dtype`, and not), linen `with_policy` (of `TransformerLinen`)
 and `autocast` (of the NNX model). Prints one JSON line:
 `{"llama2 scan=... remat=...": {"own config": bytes, front end: bytes}}`.
 Run apart, with MaxText first on the path (`checks.run_apart`), by
@@ -46,6 +47,9 @@ TOKENS = jax.random.randint(jax.random.key(1), (B, T), 1, VOCAB)
 KWARGS = {"enable_dropout": False, "model_mode": "train"}
 POSITIONS = jnp.broadcast_to(jnp.arange(T), (B, T))
 SEGMENTS = jnp.ones((B, T), jnp.int32)
+# `PolicyModule` without `config_dtype`: MaxText's `y.astype(cfg.dtype)` after
+# the embedding, float32 in the float32 config, then widens the residual stream.
+UNSAID = "PolicyModule, no config_dtype"
 BLOCKS = {
     "llama2": {"decoder_block": "llama2"},
     "mixtral": {"decoder_block": "mixtral", "num_experts": 4, "num_experts_per_tok": 2},
@@ -128,7 +132,8 @@ def figures(block: str, scan: bool, remat: str) -> dict[str, int]:
         model = nnx_model(f32_config)
         own = nnx_model(own_config)
         nnx.update(own, nnx.state(model, nnx.Param))
-        mixed = jmp_policy.nnx.PolicyModule(model, POLICY)
+        mixed = jmp_policy.nnx.PolicyModule(model, POLICY, config_dtype=jnp.float32)
+        unsaid = jmp_policy.nnx.PolicyModule(model, POLICY)
         linen = model_creation_utils.from_config(f32_config, mesh=mesh, model_mode="train")
         own_linen = model_creation_utils.from_config(own_config, mesh=mesh, model_mode="train")
         variables = linen.init(jax.random.key(0), TOKENS, POSITIONS, SEGMENTS, **KWARGS)
@@ -142,6 +147,7 @@ def figures(block: str, scan: bool, remat: str) -> dict[str, int]:
                 lambda v: own_linen.apply(v, TOKENS, POSITIONS, SEGMENTS, **KWARGS), variables
             ),
             "PolicyModule": saved_bytes(*nnx_forward(mixed, None)),
+            UNSAID: saved_bytes(*nnx_forward(unsaid, None)),
             "with_policy": saved_bytes(
                 lambda v: with_policy(v, TOKENS, POSITIONS, SEGMENTS, **KWARGS), variables
             ),

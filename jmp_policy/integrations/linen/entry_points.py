@@ -15,9 +15,10 @@ from typing import Any
 import flax
 import flax.linen as nn
 from flax import nnx
+from jax.typing import DTypeLike
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES
+from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, floating_dtype_argument
 from jmp_policy.core.policy import get_policy, policy_argument
 from jmp_policy.engine.data_flow import Flow, ReturnsState, as_given, cast_results
 from jmp_policy.engine.decision import product_rules
@@ -85,6 +86,7 @@ def with_policy(
     remat_norms: bool = True,
     keep_inputs: str | Iterable[str] = (),
     returns_state: ReturnsState = None,
+    config_dtype: DTypeLike | None = None,
 ) -> Callable:
     """Returns `fn` running under a mixed precision policy.
 
@@ -177,7 +179,16 @@ def with_policy(
     float32 accumulation; so a layer that keeps its dtype in a field of
     another name (a rotary embedding's `fprop_dtype`), reads `dtype` as its
     parameters' dtype, or sits behind `nnx.bridge.ToLinen`, multiplies in
-    the compute dtype too. Products already in it run as written. Where a
+    the compute dtype too. Under a bfloat16 compute dtype (and the FP8
+    policies) the values between products follow `autocast`'s rule as well:
+    what the model computes from a product's half result stays half, a
+    float32-set operation (an exponential) computes in float32 and is
+    rounded back once, a norm's statistics stay float32; so a layer no field
+    reaches saves for the backward pass what the model's own half config
+    saves. A cast the model writes to its config's dtype (MaxText's
+    `cfg.dtype`, float32 in the float32 config a policy runs) is a widening
+    the program cannot tell from the author's own: `config_dtype` names it
+    (see Args). Where a
     third party's module fails with the policy's dtypes in its own fields
     (MaxText's checks that its keys, in `fprop_dtype`, and values agree),
     the call runs again with them as written, every product still decided
@@ -225,6 +236,12 @@ def with_policy(
         is state (in the dtype of the argument it is built from, else as
         made: a cache the model makes), `False` for a
         result (the output dtype); None (the default) lets the rule decide.
+      config_dtype: the dtype the model's own config names for its
+        computation where the model casts to it itself (`x.astype(cfg.dtype)`:
+        a no-op in its own half config, a widening in the float32 config a
+        policy runs): a cast of a half value to it leaves it half, its
+        float32-set operations still computing in float32. None (the
+        default): every widening the program writes is the author's.
 
     Returns:
       The wrapped function. Jit it (`jax.jit(with_policy(...))`): a jitted
@@ -232,8 +249,8 @@ def with_policy(
 
     Raises:
       TypeError: if `fn` is already jitted (jit the result instead), is an NNX
-        module (or is given one), or a rule key or value or `keep_inputs` is
-        of the wrong type.
+        module (or is given one), a rule key or value or `keep_inputs` is
+        of the wrong type, or `config_dtype` is not a floating dtype.
       ValueError: if a policy spec is malformed; when called, if a path pattern
         matches no module of a whole-model call, or `keep_inputs` names an
         argument the model's call does not have.
@@ -264,13 +281,14 @@ def with_policy(
     scaled = any(m in SCALED_MATMUL_DTYPES for m in matmul_dtypes)
     target, bound_args, bound_kwargs = _unwrap_partial(fn)
     entry = flax_internals.linen_entry(target)
-    op_rules = product_rules(policy, scaled_scopes=scaled)
+    config = floating_dtype_argument(config_dtype, "config_dtype")
+    op_rules = product_rules(policy, scaled_scopes=scaled, config_dtype=config)
 
     def to_output(out: Any, flow: Flow) -> Any:
         return cast_results(out, flow, policy.cast_to_output, returns_state=returns_state)
 
     if entry is None:
-        return _plain_function(fn, policy, interceptor, keep_inputs, scaled, to_output)
+        return _plain_function(fn, policy, interceptor, keep_inputs, scaled, op_rules, to_output)
 
     model: nn.Module = target.__self__  # type: ignore[attr-defined]  # A bound linen method.
     made_key = MadeKey(policy, tuple(rule_set.rules))

@@ -18,7 +18,7 @@ from flax import nnx
 from jmp_policy.core import jax_internals
 from jmp_policy.core.policy import Policy
 from jmp_policy.engine.data_flow import Flow
-from jmp_policy.engine.decision import product_rules
+from jmp_policy.engine.decision import Rules
 from jmp_policy.engine.interpreter import trace_and_eval
 from jmp_policy.integrations import casting, flax_internals
 from jmp_policy.integrations.linen.arguments import _keeper
@@ -38,11 +38,11 @@ def _plain_function(
     interceptor: Callable,
     keep_inputs: frozenset[str],
     scaled: bool,
+    op_rules: Rules,
     to_output: Callable[[Any, Flow], Any],
 ) -> Callable:
     """`with_policy` of a function that is not a linen entry point (a `lambda` around apply)."""
     keep = _keeper(fn, keep_inputs)
-    op_rules = product_rules(policy, scaled_scopes=scaled)
 
     def call_fn(args: tuple, kwargs: dict, uncast: frozenset, cast_ids: dict) -> Any:
         # The function's floating arguments are its inputs, except Flax
