@@ -92,8 +92,7 @@ class Rules:
     reduce_dtype: np.dtype | None = None
     # The front ends: the program is traced with the policy's dtype fields
     # set, so what is half as traced is the model's own half config's doing:
-    # a float32-set operation on it computes in float32 and rounds back, a
-    # lookup keeps the dtype its layer gives.
+    # a float32-set operation on it computes in float32 and rounds back.
     fields_set: bool = False
     # The dtype a model's config names for its computation, where the model
     # casts to it itself (MaxText's `cfg.dtype`): a cast of a half value to

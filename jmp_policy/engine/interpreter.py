@@ -702,6 +702,7 @@ def _between_products(
     """
     narrowed = [invals[i].dtype for i in floats if _narrowed(eqn, invals, i)]
     if rules.fields_set and eqn.primitive.name in rules.float32:
+        # What the fields made half is the own config's half: rounded back to it too.
         narrowed += [invals[i].dtype for i in floats if invals[i].dtype.itemsize < _F32.itemsize]
     if not narrowed or eqn.primitive.name in STATISTICS:
         return None
