@@ -26,7 +26,7 @@ from jmp_policy.core.diagnostics import saved_residuals
 
 from helpers import hlo_ops
 
-BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
+BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
 D = 32
 X = jax.random.normal(jax.random.key(0), (4, 8, D))
 
