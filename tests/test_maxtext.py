@@ -88,9 +88,9 @@ def test_every_front_end_saves_no_more_than_maxtexts_own_bf16_config():
     for layout, figures in found.items():
         # Told that its casts to float32 are its config's dtype, `PolicyModule`
         # keeps the residual stream in bf16 as the own config does; its fields
-        # trace the megablox kernel in bf16 too. Without, it saves up to 1.2x.
+        # trace the megablox kernel in bf16 too. Untold, it saves more: up to 1.2x.
         assert figures["PolicyModule"] <= 1.02 * figures["own config"], (layout, figures)
-        assert figures["PolicyModule, no config_dtype"] > 1.02 * figures["own config"]
+        assert figures["PolicyModule, no config_dtype"] > figures["PolicyModule"], (layout, figures)
         # Mixtral's expert products under remat minimal are MaxText's megablox
         # Pallas kernel, typed for the float32 it was traced with: left out.
         if layout.startswith("mixtral") and layout.endswith("remat=minimal"):
