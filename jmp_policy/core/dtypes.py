@@ -33,22 +33,6 @@ def is_complex(x: Any) -> bool:
         return False
 
 
-def floating_dtype_argument(value: Any, name: str) -> np.dtype | None:
-    """`value` (a dtype or its name, or None) as a floating numpy dtype; a
-    `TypeError` naming the argument `name` for anything else."""
-    if value is None:
-        return None
-    try:
-        dtype = np.dtype(value)
-    except TypeError:
-        dtype = None
-    if dtype is None or not np.issubdtype(dtype, np.floating):
-        raise TypeError(
-            f"{name} must be None or a floating dtype such as jnp.float32, got {value!r}."
-        )
-    return dtype
-
-
 def cast(x: Any, dtype: np.dtype) -> Any:
     """`x` in `dtype`: as is if it already is, a numpy constant stays a constant."""
     if x.dtype == dtype:

@@ -127,8 +127,9 @@ def half_dtype() -> type[Any]:
     return typing.cast(type[Any], jnp.bfloat16 if on_tpu else jnp.float16)
 
 
-def _to_float_dtype(value: Any, field: str) -> np.dtype:
-    """Normalises a dtype-like (or a spec name such as 'bf16') to `np.dtype`."""
+def to_float_dtype(value: Any, name: str) -> np.dtype:
+    """Normalises a dtype-like (or a spec name such as 'bf16') to `np.dtype`;
+    a `TypeError` naming the argument `name` for anything else."""
     if isinstance(value, str) and (value in _NAME_TO_DTYPE or value == "half"):
         return _parse_dtype(value)
     dtype = None
@@ -140,7 +141,7 @@ def _to_float_dtype(value: Any, field: str) -> np.dtype:
     # Only the dtypes the spec grammar can name, so that `str` round-trips.
     if dtype is None or dtype not in _DTYPE_NAMES:
         raise TypeError(
-            f"Policy.{field} must be float16, bfloat16, float32 or float64 (a dtype "
+            f"{name} must be float16, bfloat16, float32 or float64 (a dtype "
             f"or one of the names {_ACCEPTED_DTYPES}), got {value!r}."
         )
     return dtype
@@ -345,7 +346,7 @@ class Policy:
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
-            dtype = _to_float_dtype(getattr(self, field), field)
+            dtype = to_float_dtype(getattr(self, field), f"Policy.{field}")
             object.__setattr__(self, field, _SCALAR_TYPES[dtype])
         matmul, implied = _to_matmul_dtype(self.matmul_dtype)
         scaling = check_scaling(self.fp8_scaling, "Policy.fp8_scaling")
@@ -361,7 +362,7 @@ class Policy:
         object.__setattr__(self, "fp8_scaling", scaling)
         reduce: Any = None
         if self.reduce_dtype is not None:
-            reduce = _to_float_dtype(self.reduce_dtype, "reduce_dtype")
+            reduce = to_float_dtype(self.reduce_dtype, "Policy.reduce_dtype")
         # The compute dtype is the default: one policy, one spelling.
         if reduce is not None and reduce != np.dtype(self.compute_dtype):
             reduce = _SCALAR_TYPES[reduce]

@@ -33,10 +33,10 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, floating_dtype_argument
+from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES
 from jmp_policy.core.loss_scale import LossScale
 from jmp_policy.core.loss_scaled import get_loss_scale as _get_loss_scale
-from jmp_policy.core.policy import Policy, get_policy, policy_argument
+from jmp_policy.core.policy import Policy, get_policy, policy_argument, to_float_dtype
 from jmp_policy.engine.data_flow import Flow, ReturnsState, as_given, cast_results
 from jmp_policy.engine.decision import Products, policy_products, product_rules
 from jmp_policy.engine.interpreter import flow_recording_runner, product_scope
@@ -405,7 +405,7 @@ class PolicyModule(nnx.Module):
         returns_state: ReturnsState = None,
         config_dtype: DTypeLike | None = None,
     ) -> None:
-        config = floating_dtype_argument(config_dtype, "config_dtype")
+        config = None if config_dtype is None else to_float_dtype(config_dtype, "config_dtype")
         self.policy = get_policy(policy_argument(policy))
         self.returns_state = returns_state
         self.module, policies, named, norms, written = _with_policy(module, self.policy, rules)

@@ -18,8 +18,8 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from jmp_policy.core import jax_internals
-from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES, floating_dtype_argument
-from jmp_policy.core.policy import get_policy, policy_argument
+from jmp_policy.core.dtypes import SCALED_MATMUL_DTYPES
+from jmp_policy.core.policy import get_policy, policy_argument, to_float_dtype
 from jmp_policy.engine.data_flow import Flow, ReturnsState, as_given, cast_results
 from jmp_policy.engine.decision import product_rules
 from jmp_policy.engine.interpreter import trace_and_eval
@@ -281,7 +281,7 @@ def with_policy(
     scaled = any(m in SCALED_MATMUL_DTYPES for m in matmul_dtypes)
     target, bound_args, bound_kwargs = _unwrap_partial(fn)
     entry = flax_internals.linen_entry(target)
-    config = floating_dtype_argument(config_dtype, "config_dtype")
+    config = None if config_dtype is None else to_float_dtype(config_dtype, "config_dtype")
     op_rules = product_rules(policy, scaled_scopes=scaled, config_dtype=config)
 
     def to_output(out: Any, flow: Flow) -> Any:
