@@ -91,9 +91,7 @@ def test_every_front_end_saves_no_more_than_maxtexts_own_bf16_config():
         # trace the megablox kernel in bf16 too. Untold, it saves more: up to 1.2x.
         assert figures["PolicyModule"] <= 1.02 * figures["own config"], (layout, figures)
         assert figures["PolicyModule, no config_dtype"] > figures["PolicyModule"], (layout, figures)
-        # Mixtral's expert products under remat minimal are MaxText's megablox
-        # Pallas kernel, typed for the float32 it was traced with: left out.
-        if layout.startswith("mixtral") and layout.endswith("remat=minimal"):
-            continue
+        # No field reaches MaxText's megablox kernel (mixtral's expert products)
+        # here: it runs as traced, in float32, its result rounded back to bf16.
         assert figures["autocast"] <= 1.02 * figures["own config"], (layout, figures)
         assert figures["with_policy"] <= 1.02 * figures["own config (linen)"], (layout, figures)

@@ -298,6 +298,18 @@ def custom_vjp_bwd(eqn: JaxprEqn) -> Callable | None:
     return getattr(param(eqn, "bwd"), "f", None)
 
 
+def aliased_outputs(eqn: JaxprEqn) -> dict[int, int]:
+    """The results a kernel or foreign call writes into one of its inputs'
+    buffers (`pallas_call`'s and `ffi_call`'s `input_output_aliases`):
+    result position -> input position."""
+    aliases = eqn.params.get("input_output_aliases") or ()
+    pairs = aliases.items() if isinstance(aliases, dict) else aliases
+    try:
+        return {int(out): int(given) for given, out in pairs}
+    except (TypeError, ValueError) as e:
+        raise JaxChanged(f"the input_output_aliases of {eqn.primitive.name}") from e
+
+
 def sub_jaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
     """Every program nested in the equation's parameters."""
     for value in eqn.params.values():

@@ -106,6 +106,8 @@ def buffer_sources(jaxpr: ji.Jaxpr, given: Sequence[Sources] | None = None) -> l
             outs = [_union(*ins[1:])] * n
         elif name in _PASSES_EACH:
             outs = ins[:n]
+        elif aliased := ji.aliased_outputs(eqn):  # A kernel writing into its inputs.
+            outs = [ins[aliased[i]] if i in aliased else () for i in range(n)]
         else:
             outs = _nested_sources(eqn, ins) or [()] * n
         env.update((v, s) for v, s in zip(eqn.outvars, outs) if not isinstance(v, ji.DropVar))

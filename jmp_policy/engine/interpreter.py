@@ -278,28 +278,35 @@ def _custom_vjp_rule(eqn, invals, rules, marks):
     # A user's `custom_vjp`: its forward rewritten; its backward the user's
     # rule, rewritten too, from the inputs as residuals (it recomputes the
     # forward, as `jax.checkpoint` would).
-    args = _as_original(eqn, invals)
     program = ji.custom_vjp_primal(eqn)
-    if (
-        made_here(ji.custom_vjp_bwd(eqn))
-        or not all(is_float(a) for a in (*program.in_avals, *program.out_avals))
-        or _products_in(program.jaxpr, rules.half) == (0, False)
-    ):
-        return ji.bind(eqn, args)  # Decided, integer-valued, or nothing to rewrite.
-    out_dtypes = [o.dtype for o in program.out_avals]
+    if made_here(ji.custom_vjp_bwd(eqn)):
+        return ji.bind(eqn, _as_original(eqn, invals))  # Decided.
+    floats = [i for i, a in enumerate(program.in_avals) if is_float(a)]
+    if _products_in(program.jaxpr, rules.half) == (0, False):
+        return _run_as_written(eqn, invals, floats, rules)  # Nothing to rewrite.
+    written = [o.dtype for o in program.out_avals]
     inner = _body_marks(eqn, marks)
+    # Under autocast's rules its results are what the engine makes of the
+    # inputs as they come (a kernel typed as traced, rounded back).
+    args = _as_original(eqn, invals) if rules.only_products else invals
 
     @_in_scope
     def primal(*xs):
-        return _outputs_as(_eval(program.jaxpr, program.consts, xs, rules, inner), out_dtypes)
+        outs = _eval(program.jaxpr, program.consts, xs, rules, inner)
+        return _outputs_as(outs, written) if rules.only_products else outs
 
     def original_vjp(xs, cts):
-        return jax.vjp(lambda *a: ji.bind(eqn, a), *xs)[1](list(cts))
+        xs = _as_original(eqn, xs)
+
+        def of_floats(*values):  # Integer inputs (group sizes, indices) held.
+            return ji.bind(eqn, [*map(dict(zip(floats, values)).get, range(len(xs)), xs)])
+
+        return jax.vjp(of_floats, *(xs[i] for i in floats))[1](_outputs_as(cts, written))
 
     def bwd(xs, cts):
         # Each cotangent in its primal's dtype, whatever the rule computes in.
-        return tuple(_outputs_as(trace_and_eval(original_vjp, (xs, tuple(cts)), rules),
-                                 [x.dtype for x in xs]))  # fmt: skip
+        grads = dict(zip(floats, trace_and_eval(original_vjp, (xs, tuple(cts)), rules)))
+        return tuple(cast(grads[i], x.dtype) if i in grads else None for i, x in enumerate(xs))
 
     f = jax.custom_vjp(primal)
     f.defvjp(lambda *xs: (primal(*xs), xs), bwd)
@@ -594,7 +601,7 @@ def _apply(eqn, invals, rules, marks):
         return ji.bind(eqn, [cast(invals[0], rules.compute_dtype), *invals[1:]])
     floats = [i for i, x in enumerate(invals) if is_float(x)]
     if not floats or not (name in rules.half or name in rules.float32 or name in rules.promote):
-        return ji.bind(eqn, _as_original(eqn, invals))  # Unknown: run as written.
+        return _run_as_written(eqn, invals, floats, rules)
     if name in rules.half:
         # The author's choice wins: `precision=HIGHEST`, a table, a widening (`intent`).
         full = asks_full_precision(ji.product_precision(eqn))
@@ -617,12 +624,7 @@ def _apply(eqn, invals, rules, marks):
 
     def run(*xs):
         out = ji.bind(eqn, [cast(x, target) if i in floats else x for i, x in enumerate(xs)])
-        if back is None:
-            return out
-        # Inside a JVP rule, whose tangents JAX transposes, a plain (linear) cast.
-        saturate = rules.products != "plain"
-        outs = [_rounded_back(o, back, saturate) for o in (out if prim.multiple_results else [out])]
-        return outs if prim.multiple_results else outs[0]
+        return out if back is None else _results_rounded_back(eqn, out, back, rules)
 
     if back is None or back.itemsize >= target.itemsize:
         return run(*invals)
@@ -633,6 +635,28 @@ def _apply(eqn, invals, rules, marks):
     # Inside a checkpointed region its policy decides (a checkpoint nested
     # in one would keep its result).
     return run(*invals) if _IN_REMAT.get() else jax.checkpoint(run, prevent_cse=False)(*invals)
+
+
+def _run_as_written(eqn, invals, floats, rules):
+    """An operation the rules do not name (a kernel, a collective) runs as the
+    program wrote it. Its one floating result, computed from values the
+    engine made narrower, is rounded back once, as a float32-set operation's
+    (`_between_products`); results that may be its inputs passed through
+    (several, or written into an input's buffer) keep the written dtypes."""
+    out = ji.bind(eqn, _as_original(eqn, invals))
+    results = [v for v in eqn.outvars if is_float(ji.shaped(v))]
+    if len(results) != 1 or ji.aliased_outputs(eqn):
+        return out
+    back = _between_products(eqn, invals, floats, rules)
+    return out if back is None else _results_rounded_back(eqn, out, back, rules)
+
+
+def _results_rounded_back(eqn, out, back, rules):
+    # Inside a JVP rule, whose tangents JAX transposes, a plain (linear) cast.
+    saturate = rules.products != "plain"
+    if not eqn.primitive.multiple_results:
+        return _rounded_back(out, back, saturate)
+    return [_rounded_back(o, back, saturate) for o in out]
 
 
 def _rounded_back(x, dtype, saturate=True):

@@ -1,0 +1,220 @@
+"""Kernels and `custom_vjp` functions the engine cannot rewrite inside.
+
+A Pallas kernel is typed as it was traced: the engine runs it so, given its
+inputs in the dtypes it was traced with. Its result, computed from values the
+engine made half, is rounded back once to the compute dtype (as a float32-set
+operation's is), so what the model computes from it stays half, as in the
+model's own half config, which traces the kernel in half (MaxText's megablox
+grouped matmul). A result the kernel writes into one of its inputs' buffers
+(`input_output_aliases`) is that buffer: it keeps its dtype.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.experimental import pallas as pl
+
+import jmp_policy as jmp
+import jmp_policy.nnx
+from jmp_policy.core import jax_internals as ji
+from jmp_policy.core.diagnostics import saved_residuals
+
+BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
+N, D = 16, 32
+X = jax.random.normal(jax.random.key(0), (N, D))
+PARAMS = (
+    jax.random.normal(jax.random.key(1), (D, D)) / np.sqrt(D),
+    jax.random.normal(jax.random.key(2), (D, D)) / np.sqrt(D),
+)
+ORDER = jax.random.permutation(jax.random.key(3), N)
+VALID = jnp.int32(12)  # Rows past it are padding, as in a grouped matmul.
+
+
+def _matmul_kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=o_ref.dtype)
+
+
+def _kernel_matmul(x, w):
+    shape = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
+    return pl.pallas_call(_matmul_kernel, out_shape=shape, interpret=True)(x, w)
+
+
+@jax.custom_vjp
+def masked_matmul(x, w, valid):
+    """A kernel's product of the first `valid` rows (an integer input)."""
+    rows = jnp.arange(x.shape[0])[:, None] < valid
+    return jnp.where(rows, _kernel_matmul(x, w), 0)
+
+
+def _masked_matmul_fwd(x, w, valid):
+    return masked_matmul(x, w, valid), (x, w, valid)
+
+
+def _masked_matmul_bwd(res, g):
+    x, w, valid = res
+    g = jnp.where(jnp.arange(x.shape[0])[:, None] < valid, g, 0)
+    return _kernel_matmul(g, w.T), _kernel_matmul(x.T, g), None
+
+
+masked_matmul.defvjp(_masked_matmul_fwd, _masked_matmul_bwd)
+
+
+@jax.custom_vjp
+def permute(x, order):
+    """Rows reordered by integer indices (a router's sort): no product."""
+    return x[order]
+
+
+permute.defvjp(
+    lambda x, order: (x[order], order),
+    lambda order, g: (jnp.zeros_like(g).at[order].set(g), None),
+)
+
+
+def _model(params, x, dtype=F32):
+    """Float32 as written; with `dtype`, the model's own half config, which
+    hands the kernel half operands (MaxText's `.astype(cfg.dtype)`)."""
+    w1, w2 = params
+    h = jnp.tanh(x.astype(dtype) @ w1.astype(dtype))
+    h = permute(h, ORDER)
+    return jnp.tanh(masked_matmul(h, w2.astype(dtype), VALID))
+
+
+AUTOCAST = jmp.autocast(_model, "mixed_bfloat16")
+HALF_OUT = "p=f32,c=bf16,o=bf16"  # Results as the engine makes them.
+
+
+def _loss(f):
+    return lambda p, x: jnp.sum(jnp.square(f(p, x).astype(F32)))
+
+
+def _saved_bytes(loss, *args) -> dict[np.dtype, int]:
+    by_dtype: dict[np.dtype, int] = {}
+    for aval, origin in saved_residuals(loss, *args):
+        if not origin.startswith("from the argument"):
+            dtype = np.dtype(aval.dtype)
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + int(aval.size) * dtype.itemsize
+    return by_dtype
+
+
+class KernelLinen(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return _model(tuple(self.param(f"w{i}", lambda k, v=v: v) for i, v in enumerate(PARAMS)), x)
+
+
+class KernelNNX(nnx.Module):
+    def __init__(self):
+        self.params = nnx.List([nnx.Param(v) for v in PARAMS])
+
+    def __call__(self, x):
+        return _model(tuple(p[...] for p in self.params), x)
+
+
+def _front_end(name: str):
+    """The model under `name`, with the arguments it takes."""
+    if name == "with_policy":
+        linen = KernelLinen()
+        return jmp.with_policy(linen.apply, "mixed_bfloat16"), linen.init(jax.random.key(0), X)
+    if name == "PolicyModule":
+        graph, state = nnx.split(jmp_policy.nnx.PolicyModule(KernelNNX(), "mixed_bfloat16"))
+        return (lambda s, x: nnx.merge(graph, s)(x)), state
+    return AUTOCAST, PARAMS
+
+
+def _kernel_types(fn) -> list[tuple[str, ...]]:
+    program = jax.make_jaxpr(fn)(PARAMS, X)
+    found = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                found.append(tuple(str(ji.shaped(v).dtype) for v in e.outvars))
+            for j in ji.sub_jaxprs(e):
+                walk(j)
+
+    walk(program.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("front_end", ["autocast", "with_policy", "PolicyModule"])
+def test_a_kernels_result_from_half_values_is_given_in_the_compute_dtype(front_end):
+    # The kernel runs as traced, in float32.
+    assert _kernel_types(AUTOCAST) == [("float32",)]
+    fn, params = _front_end(front_end)
+    own = _saved_bytes(_loss(lambda p, x: _model(p, x, BF16)), PARAMS, X)
+    saved = _saved_bytes(_loss(fn), params, X)
+    # Before, the kernel's float32 result and what the model computed from
+    # it were saved in float32: 3x the own config's float32 bytes.
+    assert sum(saved.values()) <= 1.02 * sum(own.values()), (saved, own)
+    assert saved.get(F32, 0) <= own.get(F32, 0), (saved, own)
+
+
+def test_gradients_through_a_kernel_are_the_users_rule_in_the_inputs_dtypes():
+    ref = jax.grad(_loss(_model))(PARAMS, X)
+    hand = jax.grad(_loss(lambda p, x: _model(p, x, BF16)))(PARAMS, X)
+    grads = jax.jit(jax.grad(_loss(AUTOCAST)))(PARAMS, X)
+    for g, h, r in zip(grads, hand, ref):
+        assert g.dtype == F32
+        error, hand_error = (float(jnp.abs(a - r).max() / jnp.abs(r).max()) for a in (g, h))
+        assert error <= 1.5 * hand_error, (error, hand_error)
+    # The padding rows the user's rule masks get no gradient.
+    dx = jax.jit(jax.grad(lambda x: _loss(AUTOCAST)(PARAMS, x)))(X)
+    assert not jnp.any(dx[ORDER[VALID:]])
+
+
+def _add_kernel(buf_ref, x_ref, o_ref):
+    o_ref[...] = buf_ref[...] + x_ref[...].astype(o_ref.dtype)
+
+
+def _accumulate(buf, x):
+    """`buf + x`, written into `buf`'s own buffer."""
+    return pl.pallas_call(
+        _add_kernel,
+        out_shape=jax.ShapeDtypeStruct(buf.shape, buf.dtype),
+        input_output_aliases={0: 0},
+        interpret=True,
+    )(buf, x)
+
+
+def _accumulates(params, buf):
+    return _accumulate(buf, X @ params[0])
+
+
+def _after_the_kernel(fn, *args) -> set[np.dtype]:
+    """The floating dtypes of the values the program computes after its kernel."""
+    eqns = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+    at = [e.primitive.name for e in eqns].index("pallas_call")
+    return {
+        np.dtype(v.aval.dtype)
+        for e in eqns[at + 1 :]
+        for v in e.outvars
+        if jnp.issubdtype(v.aval.dtype, jnp.floating)
+    }
+
+
+def test_a_kernel_writing_into_its_inputs_buffer_keeps_the_buffers_dtype():
+    buf = jnp.ones((N, D))
+    program = jax.make_jaxpr(_accumulates)(PARAMS, buf)
+    (kernel,) = [e for e in program.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert ji.aliased_outputs(kernel) == {0: 0}  # The seam reading JAX's parameter.
+    mixed = jmp.autocast(_accumulates, "p=f32,c=bf16,o=f32")
+    assert BF16 not in _after_the_kernel(mixed, PARAMS, buf)
+    # Returned, it is state by data flow: its dtype, whatever the output dtype.
+    assert jax.jit(jmp.autocast(_accumulates, HALF_OUT))(PARAMS, buf).dtype == F32
+    # A kernel writing no input's buffer gives the compute dtype.
+    fresh = jmp.autocast(lambda p, x: _kernel_matmul(x @ p[0], p[1]), "p=f32,c=bf16,o=f32")
+    assert BF16 in _after_the_kernel(fresh, PARAMS, X)
+
+
+def test_a_kernels_float32_result_stays_where_half_is_float16():
+    # float16 lacks float32's range: the kernel's result is not rounded to it.
+    fresh = lambda p, x: _kernel_matmul(x @ p[0], p[1])  # noqa: E731
+    assert np.dtype(np.float16) not in _after_the_kernel(
+        jmp.autocast(fresh, "p=f32,c=f16,o=f32"), PARAMS, X
+    )
