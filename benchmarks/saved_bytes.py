@@ -36,7 +36,8 @@ Usage::
 
     python benchmarks/saved_bytes.py               # ~4 minutes on 2 CPU cores
     python benchmarks/saved_bytes.py --no-maxtext  # ~30 seconds
-    python benchmarks/saved_bytes.py --h200        # + H200 temporary memory (CUDA plugin)
+    python benchmarks/saved_bytes.py --h200        # + H200 temporary memory (CUDA plugin;
+                                                   #   MaxText's ~15 minutes)
 """
 
 from __future__ import annotations
@@ -176,12 +177,13 @@ ROOT = Path(__file__).resolve().parent.parent
 MAXTEXT, EASYDEL = ROOT / ".venv" / "maxtext", ROOT / ".venv" / "easydel"
 
 
-def run_apart(script: str, packages: Path) -> Any:
+def run_apart(script: str, packages: Path, *args: str) -> Any:
     """The JSON line tests/corpus/`script` prints last, run with `packages` first
-    on the path: saved bytes by front end (MaxText's: by layout too)."""
-    path = os.pathsep.join(str(p) for p in (packages, ROOT / "tests", ROOT))
+    on the path: saved bytes by front end (MaxText's: by layout too), or
+    with `--h200` the temporary memory compiled for an H200."""
+    path = os.pathsep.join(str(p) for p in (packages, ROOT / "tests", ROOT, ROOT / "benchmarks"))
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "corpus" / script)],
+        [sys.executable, str(ROOT / "tests" / "corpus" / script), *args],
         env={**os.environ, "PYTHONPATH": path},
         capture_output=True,
         text=True,
@@ -231,17 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         for policy in POLICIES:
             found = figures(model, policy)
             held = print_rows(f"{model} {policy}", found, policy in TARGETED) and held
-    if args.no_maxtext:
-        pass
-    elif (MAXTEXT / "maxtext").is_dir():
-        for layout, found in run_apart("maxtext_saved.py", MAXTEXT).items():
-            held = print_rows(f"MaxText {layout}", found) and held
-    else:
-        print("MaxText: not installed (./run puts it in .venv/maxtext)")
-    if (EASYDEL / "easydel").is_dir():
-        held = print_rows("EasyDeL llama", run_apart("easydel_saved.py", EASYDEL)) and held
-    else:
-        print("EasyDeL: not installed (./run puts it in .venv/easydel)")
+    held = apart_rows(args.no_maxtext) and held
     verdict = "holds" if held else "FALLS SHORT"
     print(f"every front end <= {TARGET} x the own config's saved bytes, bfloat16: {verdict}")
     if args.h200:
@@ -249,7 +241,26 @@ def main(argv: list[str] | None = None) -> int:
         for model in MODELS:
             found = figures(model, TARGETED[0], h200_temp_bytes)
             print_rows(f"{model} {TARGETED[0]}", found, targeted=False)
+        apart_rows(args.no_maxtext, "--h200")
     return 0
+
+
+def apart_rows(no_maxtext: bool, *args: str) -> bool:
+    """Prints MaxText's and EasyDeL's rows (each installed apart); whether all hold."""
+    held, targeted = True, not args
+    if no_maxtext:
+        pass
+    elif (MAXTEXT / "maxtext").is_dir():
+        for layout, found in run_apart("maxtext_saved.py", MAXTEXT, *args).items():
+            held = print_rows(f"MaxText {layout}", found, targeted) and held
+    else:
+        print("MaxText: not installed (./run puts it in .venv/maxtext)")
+    if (EASYDEL / "easydel").is_dir():
+        found = run_apart("easydel_saved.py", EASYDEL, *args)
+        held = print_rows("EasyDeL llama", found, targeted) and held
+    else:
+        print("EasyDeL: not installed (./run puts it in .venv/easydel)")
+    return held
 
 
 if __name__ == "__main__":
