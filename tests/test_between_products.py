@@ -24,7 +24,7 @@ import jmp_policy as jmp
 import jmp_policy.nnx
 from jmp_policy.core.diagnostics import saved_residuals
 
-from helpers import hlo_ops
+from helpers import contractions, hlo_ops
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
 D = 32
@@ -236,6 +236,33 @@ def test_a_cast_to_the_config_dtype_is_the_configs_where_the_user_says_so(front_
     # bytes against 4,736 told; with_policy: 12,416 against 4,224).
     assert untold_bytes[F32] >= 2 * told_bytes[F32], (untold_bytes, told_bytes)
     assert err <= 1.5 * own_err, (err, own_err)
+
+
+class ConfigAttention(nnx.Module):
+    """Scores from projections the model casts to its config's attention dtype
+    (EasyDeL's `attn_dtype`, float32 in the float32 config)."""
+
+    def __init__(self, cfg: Config, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.q, self.k = (nnx.Linear(D, D, dtype=cfg.dtype, rngs=rngs) for _ in range(2))
+
+    def __call__(self, x):
+        q, k = (p(x).astype(self.cfg.dtype) for p in (self.q, self.k))
+        return jnp.einsum("bqd,bkd->bqk", q, k)
+
+
+def test_a_product_of_values_cast_to_the_config_dtype_takes_the_policy_where_told():
+    model = ConfigAttention(Config(F32), nnx.Rngs(0))
+    scores = {}
+    for told in (jnp.float32, None):
+        graph, state = nnx.split(jmp_policy.nnx.PolicyModule(model, "mixed_bfloat16",
+                                                             config_dtype=told))  # fmt: skip
+        text = jax.jit(lambda s, x: nnx.merge(graph, s)(x)).lower(state, X).as_text()
+        scores[told] = contractions(text)[-1].operand_types
+    # Told, the cast is the config's: the scores' product runs in bf16, as in
+    # the own config. Untold, it is the author's widening: float32, as written.
+    assert scores[jnp.float32] == ("bf16", "bf16"), scores
+    assert scores[None] == ("f32", "f32"), scores
 
 
 @pytest.mark.parametrize("bad", ["int32", object(), jnp.int8])

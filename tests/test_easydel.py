@@ -21,7 +21,7 @@ from corpus.checks import BF16, error_bound, is_fp8, run_apart
 ROOT = Path(__file__).resolve().parent.parent
 EASYDEL = ROOT / ".venv" / "easydel"
 MODELS = ["llama", "mixtral", "deepseek_v3"]
-FRONT_ENDS = ["policy_module", "autocast"]
+FRONT_ENDS = ["policy_module", "policy_module_config", "autocast"]
 POLICIES = ["mixed_bfloat16", "mixed_bfloat16,m=bf16", "mixed_float8"]
 POSITIONS = ["pos8000", "pos0"]
 pytestmark = [

@@ -229,13 +229,17 @@ def marks_of(jaxpr: ji.Jaxpr, inputs: Sequence[Mark], consts: Sequence[Mark] = (
     return known[key]
 
 
-def keeps_authors_precision(eqn: ji.JaxprEqn, marks: Marks) -> bool:
+def keeps_authors_precision(
+    eqn: ji.JaxprEqn, marks: Marks, *, widened_by_config: bool = False
+) -> bool:
     """Whether a product's operands say the author computed it as written: one
-    a table, or one the program widened from a narrower float it computed.
-    Integers alone are no table: a head mask (`einsum(weights, mask)`) takes
-    the policy; positions times frequencies (a table) do not."""
+    a table, or one the program widened from a narrower float it computed
+    (unless the user said the program's widenings are its config's dtype,
+    `widened_by_config`). Integers alone are no table: a head mask
+    (`einsum(weights, mask)`) takes the policy; positions times frequencies
+    (a table) do not."""
     operands = [marks[v] for v in eqn.invars[:2]]
-    return any(m.origin is Origin.TABLE or m.widened for m in operands)
+    return any(m.origin is Origin.TABLE or (m.widened and not widened_by_config) for m in operands)
 
 
 # Per program (held weakly): whether it, or a program nested in it, widens a float.

@@ -603,9 +603,7 @@ def _apply(eqn, invals, rules, marks):
     if not floats or not (name in rules.half or name in rules.float32 or name in rules.promote):
         return _run_as_written(eqn, invals, floats, rules)
     if name in rules.half:
-        # The author's choice wins: `precision=HIGHEST`, a table, a widening (`intent`).
-        full = asks_full_precision(ji.product_precision(eqn))
-        authors = full or intent.keeps_authors_precision(eqn, marks)
+        authors = _authors_precision(eqn, rules, marks)
         operands = [i for i in floats if i < 2]
         if operands and is_float(eqn.outvars[0].aval) and not authors:
             if len(operands) == 1 and not is_complex(invals[1 - operands[0]]):
@@ -635,6 +633,16 @@ def _apply(eqn, invals, rules, marks):
     # Inside a checkpointed region its policy decides (a checkpoint nested
     # in one would keep its result).
     return run(*invals) if _IN_REMAT.get() else jax.checkpoint(run, prevent_cse=False)(*invals)
+
+
+def _authors_precision(eqn: ji.JaxprEqn, rules: Rules, marks: intent.Marks) -> bool:
+    """Whether a product keeps the precision its author wrote: `precision=HIGHEST`,
+    a table, a widening (`intent`), but one to the config's dtype the user named."""
+    if asks_full_precision(ji.product_precision(eqn)):
+        return True
+    config = rules.config_dtype
+    by_config = config is not None and config.itemsize > rules.compute_dtype.itemsize
+    return intent.keeps_authors_precision(eqn, marks, widened_by_config=by_config)
 
 
 def _run_as_written(eqn, invals, floats, rules):

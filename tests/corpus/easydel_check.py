@@ -8,7 +8,8 @@ of the logits against the float32 model (the same weights) for
 - `hand`: EasyDeL's own half config, `dtype=bfloat16, param_dtype=float32`
   and its attention in bfloat16 (`attn_dtype`, the default);
 - `policy_module[SPEC]`: `jmp_policy.nnx.PolicyModule(model, SPEC)` of the
-  float32 model;
+  float32 model; `policy_module_config[SPEC]` told `config_dtype=jnp.float32`
+  (the config's `dtype` and `attn_dtype` it casts to);
 - `autocast[SPEC]`: `jmp_policy.autocast` of a functional call of the
   float32 model (its graphdef and state, merged inside);
 
@@ -99,6 +100,7 @@ POLICIES = ("mixed_bfloat16", "mixed_bfloat16,m=bf16", "mixed_float8")
 MODELS = ("llama", "mixtral", "deepseek_v3")
 B, T, VOCAB = 2, 32, 256
 STARTS = {"pos8000": 8000, "pos0": 0}
+FRONT_ENDS = ("policy_module", "policy_module_config", "autocast")
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -184,6 +186,8 @@ def front_end(model: nnx.Module, kind: str, policy: str | None):
         return model, plain
     if kind == "policy_module":
         return jmp_policy.nnx.PolicyModule(model, policy), plain
+    if kind == "policy_module_config":  # Told that float32 is its config's dtype.
+        return jmp_policy.nnx.PolicyModule(model, policy, config_dtype=jnp.float32), plain
     return model, jmp.autocast(plain, policy)
 
 
@@ -242,7 +246,7 @@ def check_model(name: str) -> dict:
         results["reference_scale"] = {k: float(jnp.max(jnp.abs(r))) for k, r in refs.items()}
         hand_graphdef, hand_state = nnx.split(hand)
         results["hand"] = errors(checks.jit(logits_fn(hand_graphdef)), hand_state, refs)
-        for kind in ("policy_module", "autocast"):
+        for kind in FRONT_ENDS:
             for policy in POLICIES:
                 try:
                     results[f"{kind}[{policy}]"] = errors(*forward(model, kind, policy), refs)
@@ -250,7 +254,7 @@ def check_model(name: str) -> dict:
                     results[f"{kind}[{policy}]"] = {"error": short(error)}
                     print(f"{name} {kind}[{policy}]:", file=sys.stderr)
                     traceback.print_exc(limit=-8, file=sys.stderr)
-        for kind in ("policy_module", "autocast"):
+        for kind in FRONT_ENDS:
             for policy in POLICIES:
                 try:
                     results[f"train[{kind}][{policy}]"] = train_step(model, kind, policy)

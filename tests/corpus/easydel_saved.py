@@ -5,8 +5,8 @@ The tiny float32 Llama of `easydel_check.py` (2 layers, width 64, batch 2 x
 32, EasyDeL 0.3.0): the bytes `jax.grad` of a cross-entropy loss saves for
 its backward pass, arguments left out (`saved_residuals`), for EasyDeL's own
 half config (`dtype=bfloat16, param_dtype=float32`, attention in bfloat16,
-the same weights), `jmp_policy.nnx.PolicyModule` and `autocast` of the
-float32 model. Prints one JSON line: `{"own config": bytes, front end: bytes}`. With `--h200`, the temporary
+the same weights), `jmp_policy.nnx.PolicyModule` (told
+`config_dtype=jnp.float32`, and not) and `autocast` of the float32 model. Prints one JSON line: `{"own config": bytes, front end: bytes}`. With `--h200`, the temporary
 memory of the gradient compiled for an H200 instead (`on_h200`).
 Run apart, with EasyDeL first on the path (`checks.run_apart`), by
 benchmarks/saved_bytes.py.
@@ -61,10 +61,13 @@ def saved_bytes(loss: Any, params: Any) -> int:
 
 def front_ends(model: nnx.Module, own: nnx.Module, rests: dict | None = None) -> dict:
     rests = rests or {}
-    mixed = jmp_policy.nnx.PolicyModule(model, POLICY)
+    # Told that float32 is its config's dtype (`dtype`, `attn_dtype`), and not.
+    told = jmp_policy.nnx.PolicyModule(model, POLICY, config_dtype=jnp.float32)
+    untold = jmp_policy.nnx.PolicyModule(model, POLICY)
     return {
         "own config": loss_and_params(own, None, rests.get("model")),
-        "PolicyModule": loss_and_params(mixed, None, rests.get("PolicyModule")),
+        "PolicyModule": loss_and_params(told, None, rests.get("PolicyModule")),
+        "PolicyModule, no config_dtype": loss_and_params(untold, None, rests.get("PolicyModule")),
         "autocast": loss_and_params(model, POLICY, rests.get("model")),
     }
 
