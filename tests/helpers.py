@@ -238,3 +238,16 @@ def run_python_blocks(path: pathlib.Path) -> dict[str, Any]:
         for line, code in blocks:
             exec(compile("\n" * line + code, str(path), "exec"), namespace)
     return namespace
+
+
+def saved_bytes_by_dtype(loss: Any, *args: Any) -> dict[np.dtype, int]:
+    """The bytes `jax.grad(loss)` saves for its backward pass, arguments left
+    out, by dtype."""
+    from jmp_policy.core.diagnostics import saved_residuals
+
+    by_dtype: dict[np.dtype, int] = {}
+    for aval, origin in saved_residuals(loss, *args):
+        if not origin.startswith("from the argument"):
+            dtype = np.dtype(aval.dtype)
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + int(aval.size) * dtype.itemsize
+    return by_dtype

@@ -22,9 +22,8 @@ from flax import nnx
 
 import jmp_policy as jmp
 import jmp_policy.nnx
-from jmp_policy.core.diagnostics import saved_residuals
 
-from helpers import contractions, hlo_ops
+from helpers import contractions, hlo_ops, saved_bytes_by_dtype
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
 D = 32
@@ -70,20 +69,10 @@ def _loss(f):
     return lambda *a: jnp.sum(jnp.square(f(*a).astype(F32)))
 
 
-def _saved(loss, *args) -> dict[np.dtype, int]:
-    """The bytes the backward pass saves (arguments left out), by dtype."""
-    by_dtype: dict[np.dtype, int] = {}
-    for aval, origin in saved_residuals(loss, *args):
-        if not origin.startswith("from the argument"):
-            dtype = np.dtype(aval.dtype)
-            by_dtype[dtype] = by_dtype.get(dtype, 0) + int(aval.size) * dtype.itemsize
-    return by_dtype
-
-
 @pytest.fixture(scope="module")
 def own_config() -> dict[np.dtype, int]:
     """The model's own half config: float32 parameters, computing in bfloat16."""
-    return _saved(_loss(lambda p, x: _model(p, x, BF16)), PARAMS, X)
+    return saved_bytes_by_dtype(_loss(lambda p, x: _model(p, x, BF16)), PARAMS, X)
 
 
 def _front_ends() -> dict[str, tuple[Any, tuple]]:
@@ -100,7 +89,7 @@ def _front_ends() -> dict[str, tuple[Any, tuple]]:
 @pytest.mark.parametrize("front_end", ["with_policy", "PolicyModule", "autocast"])
 def test_layers_no_field_reaches_save_what_the_own_config_saves(front_end, own_config):
     fn, args = _front_ends()[front_end]
-    saved = _saved(_loss(fn), *args)
+    saved = saved_bytes_by_dtype(_loss(fn), *args)
     # 0.81x in each front end. Before, with only the products rewritten,
     # `with_policy` and `PolicyModule` saved 1.41x: the products' results,
     # GELU and the residual stream in float32.
@@ -224,9 +213,9 @@ def test_a_cast_to_the_config_dtype_is_the_configs_where_the_user_says_so(front_
     with jax.numpy_dtype_promotion("standard"):  # What such a model is written for.
         told, untold = (_config_losses(d)[front_end] for d in (jnp.float32, None))
         (own, params), (fn, args), (ref, _) = told
-        own_bytes = _saved(_loss(own), params, TOKENS)
-        told_bytes = _saved(_loss(fn), args, TOKENS)
-        untold_bytes = _saved(_loss(untold[1][0]), untold[1][1], TOKENS)
+        own_bytes = saved_bytes_by_dtype(_loss(own), params, TOKENS)
+        told_bytes = saved_bytes_by_dtype(_loss(fn), args, TOKENS)
+        untold_bytes = saved_bytes_by_dtype(_loss(untold[1][0]), untold[1][1], TOKENS)
         want = jax.jit(ref)(args, TOKENS)
         err, own_err = (float(jnp.abs(jax.jit(f)(a, TOKENS).astype(F32) - want).max())
                         for f, a in ((fn, args), (own, params)))  # fmt: skip

@@ -21,8 +21,9 @@ from jax.experimental import pallas as pl
 
 import jmp_policy as jmp
 import jmp_policy.nnx
+
+from helpers import saved_bytes_by_dtype
 from jmp_policy.core import jax_internals as ji
-from jmp_policy.core.diagnostics import saved_residuals
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
 N, D = 16, 32
@@ -93,15 +94,6 @@ def _loss(f):
     return lambda p, x: jnp.sum(jnp.square(f(p, x).astype(F32)))
 
 
-def _saved_bytes(loss, *args) -> dict[np.dtype, int]:
-    by_dtype: dict[np.dtype, int] = {}
-    for aval, origin in saved_residuals(loss, *args):
-        if not origin.startswith("from the argument"):
-            dtype = np.dtype(aval.dtype)
-            by_dtype[dtype] = by_dtype.get(dtype, 0) + int(aval.size) * dtype.itemsize
-    return by_dtype
-
-
 class KernelLinen(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -147,8 +139,8 @@ def test_a_kernels_result_from_half_values_is_given_in_the_compute_dtype(front_e
     # The kernel runs as traced, in float32.
     assert _kernel_types(AUTOCAST) == [("float32",)]
     fn, params = _front_end(front_end)
-    own = _saved_bytes(_loss(lambda p, x: _model(p, x, BF16)), PARAMS, X)
-    saved = _saved_bytes(_loss(fn), params, X)
+    own = saved_bytes_by_dtype(_loss(lambda p, x: _model(p, x, BF16)), PARAMS, X)
+    saved = saved_bytes_by_dtype(_loss(fn), params, X)
     # Before, the kernel's float32 result and what the model computed from
     # it were saved in float32: 3x the own config's float32 bytes.
     assert sum(saved.values()) <= 1.02 * sum(own.values()), (saved, own)
