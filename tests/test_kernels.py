@@ -6,7 +6,8 @@ engine made half, is rounded back once to the compute dtype (as a float32-set
 operation's is), so what the model computes from it stays half, as in the
 model's own half config, which traces the kernel in half (MaxText's megablox
 grouped matmul). A result the kernel writes into one of its inputs' buffers
-(`input_output_aliases`) is that buffer: it keeps its dtype.
+(`input_output_aliases`) is that buffer: it keeps its dtype. A collective
+that moves data between devices sends a half activation in half.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from jax.experimental import pallas as pl
 import jmp_policy as jmp
 import jmp_policy.nnx
 
-from helpers import saved_bytes_by_dtype
+from helpers import hlo_ops, saved_bytes_by_dtype
 from jmp_policy.core import jax_internals as ji
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
@@ -210,3 +211,21 @@ def test_a_kernels_float32_result_stays_where_half_is_float16():
     assert np.dtype(np.float16) not in _after_the_kernel(
         jmp.autocast(fresh, "p=f32,c=f16,o=f32"), PARAMS, X
     )
+
+
+def test_a_collective_sends_a_half_activation_in_half():
+    # Moved between devices, not computed on: the own half config sends bf16.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("d",))
+    ring = [(i, (i + 1) % 8) for i in range(8)]
+
+    def shifted(x, w):
+        return jax.lax.ppermute(jnp.tanh(x @ w), "d", perm=ring)
+
+    fn = jax.shard_map(shifted, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))
+    mixed = jmp.autocast(fn, "p=f32,c=bf16,o=f32")
+    x = jax.device_put(jax.random.normal(jax.random.key(4), (16, D)), NamedSharding(mesh, P("d")))
+    sent = hlo_ops(jax.jit(mixed).lower(x, PARAMS[0]).as_text(), ("collective_permute",))
+    assert [op.result_types for op in sent] == [("bf16",)], sent
+    assert jnp.allclose(jax.jit(mixed)(x, PARAMS[0]), fn(x, PARAMS[0]), atol=0.02)
