@@ -99,7 +99,8 @@ class Rules:
     fields_set: bool = False
     # The dtype a model's config names for its computation, where the model
     # casts to it itself (MaxText's `cfg.dtype`): a cast of a half value to
-    # it is the config's, a no-op in the model's own half config.
+    # it is the config's, a no-op in the model's own half config, and a
+    # product of values so cast takes the policy.
     config_dtype: np.dtype | None = None
     # autocast's `rules=`: (a regex searched in an operation's named-scope
     # path, the rules there, None for as written), the first match winning.

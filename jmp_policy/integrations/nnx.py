@@ -370,7 +370,8 @@ class PolicyModule(nnx.Module):
       config_dtype: the dtype the model's own config names for its
         computation where the model casts to it itself: a cast of a half
         value to it leaves it half (its float32-set operations still compute
-        in float32). None (the default): every widening is the author's.
+        in float32), and a product of values so cast takes the policy. None
+        (the default): every widening is the author's.
 
     Raises:
       TypeError, ValueError: as `with_policy`; TypeError if `keep_inputs` is

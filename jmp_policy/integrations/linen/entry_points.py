@@ -240,8 +240,9 @@ def with_policy(
         computation where the model casts to it itself (`x.astype(cfg.dtype)`:
         a no-op in its own half config, a widening in the float32 config a
         policy runs): a cast of a half value to it leaves it half, its
-        float32-set operations still computing in float32. None (the
-        default): every widening the program writes is the author's.
+        float32-set operations still computing in float32, and a product of
+        values so cast takes the policy. None (the default): every widening
+        the program writes is the author's.
 
     Returns:
       The wrapped function. Jit it (`jax.jit(with_policy(...))`): a jitted
