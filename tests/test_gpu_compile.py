@@ -192,6 +192,37 @@ def test_what_a_steps_kernels_move():
     )
 
 
+def _traffic_row(name, kernels, gemm_bytes, other_bytes):
+    program = _compiled_hlo.read(HLO)
+    traffic = _compiled_hlo.Traffic(kernels, gemm_bytes, other_bytes)
+    return gpu_compile.Row(name, 1, 1, 1, program, traffic, 0.0)
+
+
+def test_fp8_and_its_bound_are_held_to_the_traffic_targets():
+    bf16 = "with_policy mixed_bfloat16"
+    rows = {
+        bf16: _traffic_row(bf16, 100, 40.0, 100.0),
+        "policy mixed_float8": _traffic_row("policy mixed_float8", 160, 24.0, 110.0),
+        gpu_compile.FP8_SCALES_KNOWN: _traffic_row(gpu_compile.FP8_SCALES_KNOWN, 114, 26.0, 99.0),
+    }
+    found = dict(gpu_compile.verdicts(rows))
+    assert found["mixed_float8 kernel launches <= 1.15 x mixed_bfloat16's"] is False
+    assert found["mixed_float8 non-GEMM kernel bytes <= 1.0 x mixed_bfloat16's"] is False
+    bound = f"bound: {gpu_compile.FP8_SCALES_KNOWN}"
+    assert found[f"{bound} kernel launches <= 1.15 x mixed_bfloat16's"] is True
+    assert found[f"{bound} non-GEMM kernel bytes <= 1.0 x mixed_bfloat16's"] is True
+    assert found[f"{bound} kernel bytes <= 0.9 x mixed_bfloat16's"] is True  # 125 <= 126
+    del rows[gpu_compile.FP8_SCALES_KNOWN]
+    assert (
+        dict(gpu_compile.verdicts(rows))[f"{bound} kernel bytes <= 0.9 x mixed_bfloat16's"] is None
+    )
+    # Its name is one `--variants` accepts (no comma).
+    assert (
+        "," not in gpu_compile.FP8_SCALES_KNOWN
+        and gpu_compile.FP8_SCALES_KNOWN in gpu_compile.VARIANTS
+    )
+
+
 def test_an_unknown_target_or_variant_is_a_usage_error(capsys):
     for argv in (["--targets", "h900"], ["--variants", "bf17"], ["--backends", "tpu"]):
         with pytest.raises(SystemExit) as info:
@@ -226,13 +257,13 @@ def test_compile_only_prints_the_table_with_its_verdicts(tmp_path):
     args = ["--size", "tiny", "--targets", "h200_sxm", "--backends", "default"]
     run = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--compile-only", *args,
-         "--variants", f"{variant},{variant} operands"],
+         "--variants", f"{variant},{variant} operands,{gpu_compile.FP8_SCALES_KNOWN}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert "NVIDIA H200 (h200_sxm.txtpb), GEMM back end: default" in lines
-    (row,) = [line for line in lines if re.match(rf"{variant} +[0-9]", line)]
+    (row,) = [line for line in lines if re.match(rf"{variant} +[0-9]", line) and "->" in line]
     assert "f8e4m3fn x f8e4m3fn -> bf16" in row
     assert "  holds: every product of mixed_float8 an FP8 GEMM (no upcast before one)" in lines
     # Measured at this size: 2.42 MB against 2.70 MB (the GPU size: 8.78 GB, 10.26 GB).
@@ -250,6 +281,13 @@ def test_compile_only_prints_the_table_with_its_verdicts(tmp_path):
     # GEMM; float32 where the program asks it of half operands.
     assert {o for _, _, o in kinds} == {"bf16", "f32"}, kinds
     assert sum(g["count"] for g in result["gemms"]) == 23  # Every product of the tiny step.
+    # The bound with every scale 1, compiled in a process of its own: the
+    # same FP8 GEMMs, and no amax pass before a cast (fewer launches).
+    bound = figures["targets"]["h200_sxm"]["default"]["variants"][gpu_compile.FP8_SCALES_KNOWN]
+    assert sum(g["count"] for g in bound["gemms"]) == 23
+    assert all(g["lhs"].startswith("f8") and g["rhs"].startswith("f8") for g in bound["gemms"])
+    assert bound["kernel_launches"] < result["kernel_launches"]
+    assert any("bound: mixed_float8 (scales known) kernel launches" in line for line in lines)
 
 
 COLLECTIVES_HLO = """\
