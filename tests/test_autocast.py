@@ -246,7 +246,8 @@ class TestDtypes:
         prims = jex.core.primitives
         known = {getattr(prims, n).name for n in dir(prims) if n.endswith("_p")}
         known |= {"split", "tile", "stack", "unstack"}  # Primitives in JAX 0.12, not 0.10.
-        known |= {"ragged_dot_general"}  # Not in jax.extend's list: matched by name.
+        # Not in jax.extend's list: matched by name.
+        known |= {"ragged_dot_general", "reduce_scatter"}
         for ops in (HALF_PRIMITIVES, FLOAT32_PRIMITIVES, PROMOTE_PRIMITIVES):
             assert ops <= known, ops - known
         assert not (FLOAT32_PRIMITIVES & PROMOTE_PRIMITIVES)

@@ -7,7 +7,8 @@ operation's is), so what the model computes from it stays half, as in the
 model's own half config, which traces the kernel in half (MaxText's megablox
 grouped matmul). A result the kernel writes into one of its inputs' buffers
 (`input_output_aliases`) is that buffer: it keeps its dtype. A collective
-that moves data between devices sends a half activation in half.
+that moves data between devices sends a half activation in half; one that
+sums over devices sums a product's partial results in the reduce dtype.
 """
 
 from __future__ import annotations
@@ -229,3 +230,46 @@ def test_a_collective_sends_a_half_activation_in_half():
     sent = hlo_ops(jax.jit(mixed).lower(x, PARAMS[0]).as_text(), ("collective_permute",))
     assert [op.result_types for op in sent] == [("bf16",)], sent
     assert jnp.allclose(jax.jit(mixed)(x, PARAMS[0]), fn(x, PARAMS[0]), atol=0.02)
+
+
+def _collective_dtypes(jaxpr, names=("psum", "reduce_scatter", "all_gather")):
+    """The result dtypes of the collectives in `jaxpr` and the programs nested in it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in names:
+            found.append((eqn.primitive.name, np.dtype(eqn.outvars[0].aval.dtype)))
+        for sub in ji.sub_jaxprs(eqn):
+            found += _collective_dtypes(sub, names)
+    return found
+
+
+def test_a_row_parallel_layers_partial_products_are_summed_in_the_reduce_dtype():
+    # Megatron's tensor-parallel MLP: the second product's partial results
+    # are summed over devices (psum, or psum_scatter then all_gather). The own
+    # bf16 config sums them in bf16; so does mixed_bfloat16 (reduce dtype bf16),
+    # and r=f32 sums in float32, as it does the sums XLA inserts for a sharded product.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("d",))
+
+    def mlp(x, w1, w2):
+        y = jnp.tanh(x @ w1) @ w2
+        z = jax.lax.psum_scatter(y, "d", scatter_dimension=1, tiled=True)
+        return jax.lax.psum(y, "d") + jax.lax.all_gather(z, "d", axis=1, tiled=True)
+
+    specs = (P(), P(None, "d"), P("d", None))
+    fn = jax.shard_map(mlp, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((X, *PARAMS), specs)]
+    own = fn(*[a.astype(jnp.bfloat16) for a in args]).astype(F32)
+    exact = fn(*args)
+    for policy, summed in (("mixed_bfloat16", BF16), ("p=f32,c=bf16,o=f32,r=f32", F32)):
+        mixed = jmp.autocast(fn, policy)
+        found = _collective_dtypes(jax.make_jaxpr(mixed)(*args).jaxpr)
+        assert sorted(found) == [("all_gather", summed), ("psum", summed),
+                                 ("reduce_scatter", summed)], (policy, found)  # fmt: skip
+        error = jnp.linalg.norm(jax.jit(mixed)(*args) - exact)
+        assert error <= 1.5 * jnp.linalg.norm(own - exact), policy
+    # Backward, the same collectives carry the cotangents in bf16.
+    loss = lambda *a: jmp.autocast(fn, "mixed_bfloat16")(*a).sum()  # noqa: E731
+    found = _collective_dtypes(jax.make_jaxpr(jax.grad(loss, argnums=(1, 2)))(*args).jaxpr)
+    assert found and all(dtype == BF16 for _, dtype in found), found

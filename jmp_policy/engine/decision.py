@@ -57,9 +57,11 @@ PROMOTE_PRIMITIVES: frozenset[str] = frozenset(
         "split", "tile", "reduce_max", "reduce_min", "argmax", "argmin", "cummax",
         "cummin", "reduce_window_max", "reduce_window_min", "sharding_constraint",
         "name",  # `checkpoint_name`: the value, named for a remat policy.
-        # Collectives that move data between devices: a half activation is
-        # sent in half, as the model's own half config sends it.
-        "all_gather", "all_to_all", "ppermute",
+        # Collectives between devices: a half activation is sent in half, as
+        # the model's own half config sends it; one summed over devices (a
+        # row-parallel layer's partial products) in the dtype it has, the
+        # reduce dtype where it is a product's result.
+        "all_gather", "all_to_all", "ppermute", "psum", "reduce_scatter", "pmax", "pmin",
     }
 )  # fmt: skip
 
