@@ -18,7 +18,9 @@ Variants: those of `gpu_transformer` (the same model, step and size) that
 the targets compare: float32, Flax's hand-written bf16, `with_policy`
 mixed_bfloat16, `+ loss_scaled`, `m=bf16`, `mixed_float8` (saving its FP8
 operands for the backward pass, and with `fp8_residuals("operands")` saving
-the bf16 ones), `mixed_float8_rowwise`, `mixed_mxfp8`, `mixed_nvfp4` (H100
+the bf16 ones), Flax's own FP8 (`flax fp8_ops (delayed)`: delayed scaling
+in the Dense layers and attention projections of its bf16 layers),
+`mixed_float8_rowwise`, `mixed_mxfp8`, `mixed_nvfp4` (H100
 and H200 have no block-scaled Tensor Cores: XLA expands these products, and
 their figures are an emulation's). Targets, each printed as holds / falls
 short: mixed_bfloat16's temporary memory at most the hand-written config's
@@ -84,7 +86,7 @@ MXFP8, NVFP4 = "policy mixed_mxfp8", "policy mixed_nvfp4"
 FP8_SCALES_KNOWN = "mixed_float8 (scales known)"
 VARIANTS = (
     bench.REFERENCE, bench.BY_HAND, bench.WITH_POLICY, bench.LOSS_SCALED, M_BF16, bench.FP8,
-    FP8_SCALES_KNOWN, ROWWISE, bench.FP8_OPERANDS, MXFP8, NVFP4,
+    FP8_SCALES_KNOWN, bench.FLAX_FP8.name, ROWWISE, bench.FP8_OPERANDS, MXFP8, NVFP4,
 )  # fmt: skip
 JSON_NAME = "gpu_compile.json"
 
@@ -141,16 +143,16 @@ def compile_variant(name: str, cfg: bench.Config, target: str, options: dict[str
     if name == FP8_SCALES_KNOWN:
         return _with_scales_known(cfg, target, options)
     device = cuda_device(target)
-    (variant,) = [v for v in (*bench.VARIANTS, bench.FP8_WITH_OPERANDS) if v.name == name]
-    _, _, tx, step = bench._build(variant, cfg)
+    (variant,) = [v for v in (*bench.VARIANTS, *bench.COMPILED_ONLY) if v.name == name]
+    model, _, tx, step = bench._build(variant, cfg)
     sharding = jax.sharding.SingleDeviceSharding(device)
 
     def on_device(x: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     inputs = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), jnp.int32)
-    params = jax.eval_shape(bench.TransformerLM(cfg).init, jax.random.key(0), inputs)
-    state = jax.tree.map(on_device, jax.eval_shape(tx.init, params))
+    params = jax.eval_shape(model.init, jax.random.key(0), inputs)
+    state = jax.tree.map(on_device, jax.eval_shape(tx.init, bench.trainable(params)))
     params = jax.tree.map(on_device, params)
     tokens = on_device(jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32))
     start = time.perf_counter()
@@ -267,9 +269,13 @@ def verdicts(rows: dict[str, Row]) -> list[tuple[str, bool | None]]:
     )
     # What FP8 must save to pay: its scaling no more traffic than bf16's
     # non-GEMM kernels, the whole step 10% less, few extra launches. The
-    # same for the bound with its scales known (what delayed scaling could reach).
-    for name in (bench.FP8, FP8_SCALES_KNOWN):
-        label = "mixed_float8" if name == bench.FP8 else f"bound: {name}"
+    # same for the bound with its scales known (what delayed scaling could
+    # reach) and for Flax's own delayed scaling.
+    for name, label in (
+        (bench.FP8, "mixed_float8"),
+        (FP8_SCALES_KNOWN, f"bound: {FP8_SCALES_KNOWN}"),
+        (bench.FLAX_FP8.name, f"peer: {bench.FLAX_FP8.name}"),
+    ):
         target(
             f"{label} non-GEMM kernel bytes <= 1.0 x mixed_bfloat16's",
             (name, bench.WITH_POLICY),

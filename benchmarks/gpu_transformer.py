@@ -104,6 +104,9 @@ import _gpu_lowering
 import jmp_policy
 from jmp_policy import Policy
 
+# Flax's FP8 ops keep their scales and amax histories in this collection.
+OWG = "_overwrite_with_gradient"
+
 SIZE_ENV = "JMP_POLICY_BENCH_SIZE"
 BUDGET_ENV = "JMP_POLICY_BENCH_BUDGET_S"
 SIZES = ("auto", "gpu", "wide", "tiny")
@@ -255,17 +258,23 @@ class Block(nn.Module):
     heads: int
     dtype: Any = None
     dot_general: Any = None
+    dot_general_cls: Any = None  # Flax's module form (its FP8 ops), in the projections
 
     @nn.compact
     def __call__(self, x, mask):
         width = x.shape[-1]
-        dense = functools.partial(nn.Dense, dtype=self.dtype, dot_general=self.dot_general)
+        dense = functools.partial(
+            nn.Dense, dtype=self.dtype, dot_general=self.dot_general,
+            dot_general_cls=self.dot_general_cls,
+        )  # fmt: skip
         h = nn.LayerNorm(dtype=self.dtype)(x)
         h = nn.MultiHeadDotProductAttention(
             num_heads=self.heads,
             dtype=self.dtype,
             qkv_dot_general=self.dot_general,
             out_dot_general=self.dot_general,
+            qkv_dot_general_cls=self.dot_general_cls,
+            out_dot_general_cls=self.dot_general_cls,
             attention_fn=functools.partial(
                 nn.dot_product_attention, einsum_dot_general=self.dot_general
             ),
@@ -282,6 +291,7 @@ class TransformerLM(nn.Module):
     cfg: Config
     dtype: Any = None  # None: as written (float32), or what `with_policy` sets
     dot_general: Any = None
+    dot_general_cls: Any = None
 
     @nn.compact
     def __call__(self, tokens):
@@ -292,16 +302,20 @@ class TransformerLM(nn.Module):
         mask = nn.make_causal_mask(tokens)
         blocks = nn.scan(
             Block,
-            variable_axes={"params": 0},
+            variable_axes={"params": 0, OWG: 0},
             split_rngs={"params": True},
             in_axes=nn.broadcast,
             length=cfg.layers,
         )
-        x, _ = blocks(cfg.heads, dtype=self.dtype, dot_general=self.dot_general, name="blocks")(
-            x, mask
-        )
+        x, _ = blocks(
+            cfg.heads, dtype=self.dtype, dot_general=self.dot_general,
+            dot_general_cls=self.dot_general_cls, name="blocks",
+        )(x, mask)  # fmt: skip
         x = nn.LayerNorm(dtype=self.dtype)(x)
-        return nn.Dense(cfg.vocab, dtype=self.dtype, dot_general=self.dot_general, name="head")(x)
+        return nn.Dense(
+            cfg.vocab, dtype=self.dtype, dot_general=self.dot_general,
+            dot_general_cls=self.dot_general_cls, name="head",
+        )(x)  # fmt: skip
 
 
 # ---------------------------------------------------------------------- variants
@@ -322,6 +336,10 @@ class Variant:
       loss_scaled: `loss_scaled(adam, DynamicLossScale(2**15))` instead of plain adam.
       needs_matmul_dtype: only where `Policy` has a `matmul_dtype` field.
       fp8_residuals: traced under `jmp_policy.fp8_residuals(...)`, or None.
+      flax_fp8: Flax's own FP8 with delayed scaling (`nn.Fp8DirectDotGeneralOp`
+        in every Dense and attention projection, bf16 layers): the scales and
+        amax histories in its `_overwrite_with_gradient` collection, replaced
+        by their gradients each step, as `flax.training.train_state` does.
     """
 
     name: str
@@ -332,6 +350,7 @@ class Variant:
     loss_scaled: bool = False
     needs_matmul_dtype: bool = False
     fp8_residuals: str | None = None
+    flax_fp8: bool = False
 
 
 REFERENCE = "float32"
@@ -359,6 +378,9 @@ VARIANTS = (
 FP8_WITH_OPERANDS = Variant(
     FP8_OPERANDS, policy="mixed_float8", needs_matmul_dtype=True, fp8_residuals="operands"
 )
+# Compiled (`gpu_compile`), not timed: the peer's FP8, with delayed scaling.
+FLAX_FP8 = Variant("flax fp8_ops (delayed)", by_hand_dtype=jnp.bfloat16, flax_fp8=True)
+COMPILED_ONLY = (FP8_WITH_OPERANDS, FLAX_FP8)
 
 
 def _loss_fn(apply: Callable, params: Any, tokens: jax.Array) -> jax.Array:
@@ -372,7 +394,10 @@ def _build(variant: Variant, cfg: Config) -> tuple[Any, Callable, Any, Callable]
     if variant.needs_matmul_dtype and not HAS_MATMUL_DTYPE:
         raise LookupError("Policy has no matmul_dtype field in this version")
     dot_general = jmp_policy.half_dot_general if variant.half_dot_general else None
-    model = TransformerLM(cfg, dtype=variant.by_hand_dtype, dot_general=dot_general)
+    fp8_cls = nn.Fp8DirectDotGeneralOp if variant.flax_fp8 else None
+    model = TransformerLM(
+        cfg, dtype=variant.by_hand_dtype, dot_general=dot_general, dot_general_cls=fp8_cls
+    )
     apply = model.apply
     if variant.policy is not None:
         jmp_policy.get_policy(variant.policy)  # an unknown policy name: ValueError, skipped
@@ -392,6 +417,10 @@ def _build(variant: Variant, cfg: Config) -> tuple[Any, Callable, Any, Callable]
             grads, loss = jax.grad(scaled, has_aux=True)(params)
         else:
             loss, grads = jax.value_and_grad(functools.partial(_loss_fn, apply))(params, tokens)
+        if OWG in grads:  # Flax's FP8 state: its "gradient" is its new value.
+            trained, state = trainable(params), grads[OWG]
+            updates, opt_state = tx.update(trainable(grads), opt_state, trained)
+            return {"params": optax.apply_updates(trained, updates), OWG: state}, opt_state, loss
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -404,6 +433,12 @@ def _build(variant: Variant, cfg: Config) -> tuple[Any, Callable, Any, Callable]
                 return traced(params, opt_state, tokens)
 
     return model, apply, tx, step
+
+
+def trainable(variables: Any) -> Any:
+    """What the optimizer trains: all of `variables`, or its `params` where
+    Flax's FP8 state is beside them (`FLAX_FP8`)."""
+    return variables["params"] if OWG in variables else variables
 
 
 def claims(variant: Variant, grad_leaves: int, state_leaves: int) -> dict[str, Any]:

@@ -258,6 +258,34 @@ def test_the_check_sees_the_cpu_form_where_there_is_one(monkeypatch):
             assert s.dots == {("bf16", "bf16", "f32"): 27}, s.dots
 
 
+def test_flax_fp8_variant_trains_and_replaces_its_state_by_its_gradient():
+    # The peer's delayed scaling, as Flax's train_state runs it: adam trains
+    # the params only; the FP8 collection takes its "gradient" (this step's
+    # amaxes pushed into each history); its products are FP8 in both passes.
+    import jax
+    import numpy as np
+
+    _gpu_lowering = import_benchmark("_gpu_lowering")
+
+    cfg = bench.CONFIGS["tiny"]
+    model, _, tx, step = bench._build(bench.FLAX_FP8, cfg)
+    tokens = jax.random.randint(jax.random.key(0), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
+    with jax.numpy_dtype_promotion("standard"):  # Flax's and optax's own code
+        variables = model.init(jax.random.key(1), tokens[:, :-1])
+        opt_state = tx.init(bench.trainable(variables))
+        new, _, loss = jax.jit(step)(variables, opt_state, tokens)
+        text = _gpu_lowering.lower(step, variables, opt_state, tokens)
+    assert jax.tree.structure(bench.trainable(variables)) == jax.tree.structure(variables["params"])
+    assert np.isfinite(loss) and jax.tree.structure(new) == jax.tree.structure(variables)
+    history = new[bench.OWG]["head"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"]
+    assert not np.any(variables[bench.OWG]["head"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"])
+    assert history[0] > 0 and not np.any(history[1:])  # this step's amax, first
+    moved = jax.tree.map(lambda a, b: bool(np.any(a != b)), new["params"], variables["params"])
+    assert all(jax.tree.leaves(moved))
+    dots = _gpu_lowering.structure(text).dots
+    assert any(a.startswith("f8") and b.startswith("f8") for a, b, _ in dots), dots
+
+
 def test_readme_first_example_lowers_for_cuda_as_a_gpu_needs_it():
     # The README's train step (float16 layers, loss_scaled): on a GPU, every
     # product float16, no CPU-only branch, each gradient checked once.
