@@ -12,7 +12,7 @@
 #       no GPU: every variant compiled for an H100 and an H200 (memory, GEMM kernels,
 #       each step's kernel traffic; --size wide for width 4096);
 #       needs the CUDA plugin for the installed jaxlib, which ./run puts in
-#       .venv/cuda-plugin (used from there when present); ~30 min on 2 cores
+#       .venv/cuda-plugin (used from there when present); ~40 min on 2 cores
 #   benchmarks/gpu.sh --compile-only --devices 8 [--targets h200_sxm] [--layouts fsdp,tp_rows]
 #       no GPU: what a sharded train step sends over the wire per policy, compiled
 #       for 8 x H100 and 8 x H200 (benchmarks/gpu_collectives.py); ~8 min on 2 cores
