@@ -121,19 +121,21 @@ def _front_end(name: str):
     return AUTOCAST, PARAMS
 
 
+def _eqns(jaxpr):
+    """Every equation of `jaxpr` and of the programs nested in it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in ji.sub_jaxprs(eqn):
+            yield from _eqns(sub)
+
+
 def _kernel_types(fn) -> list[tuple[str, ...]]:
     program = jax.make_jaxpr(fn)(PARAMS, X)
-    found = []
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name == "pallas_call":
-                found.append(tuple(str(ji.shaped(v).dtype) for v in e.outvars))
-            for j in ji.sub_jaxprs(e):
-                walk(j)
-
-    walk(program.jaxpr)
-    return found
+    return [
+        tuple(str(ji.shaped(v).dtype) for v in e.outvars)
+        for e in _eqns(program.jaxpr)
+        if e.primitive.name == "pallas_call"
+    ]
 
 
 @pytest.mark.parametrize("front_end", ["autocast", "with_policy", "PolicyModule"])
@@ -234,13 +236,11 @@ def test_a_collective_sends_a_half_activation_in_half():
 
 def _collective_dtypes(jaxpr, names=("psum", "reduce_scatter", "all_gather")):
     """The result dtypes of the collectives in `jaxpr` and the programs nested in it."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in names:
-            found.append((eqn.primitive.name, np.dtype(eqn.outvars[0].aval.dtype)))
-        for sub in ji.sub_jaxprs(eqn):
-            found += _collective_dtypes(sub, names)
-    return found
+    return [
+        (e.primitive.name, np.dtype(e.outvars[0].aval.dtype))
+        for e in _eqns(jaxpr)
+        if e.primitive.name in names
+    ]
 
 
 def test_a_row_parallel_layers_partial_products_are_summed_in_the_reduce_dtype():
